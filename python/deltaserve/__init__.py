@@ -1,0 +1,1 @@
+"""deltaserve: a serving engine for hybrid Gated DeltaNet + attention models."""

@@ -1,0 +1,248 @@
+"""The engine's vocabulary: sampling parameters, requests, batches, the forward context.
+
+Request lengths obey `cached_len <= device_len <= len(all_ids) <= max_len` at all times:
+- `cached_len`: prompt tokens whose KV and GDN state came from the prefix cache (reported as
+  `usage.prompt_tokens_details.cached_tokens`);
+- `device_len`: tokens already run through the model (their KV is in pages, the live GDN slot
+  holds the state after exactly these tokens);
+- `all_ids`: prompt + committed output tokens; the next forward feeds `all_ids[device_len:]`.
+They change only through `Req` methods.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # client gone or engine shutdown
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    VERIFY = "verify"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling and stopping rules (the OpenAI / vLLM fields).
+
+    `temperature == 0` (or `top_k == 1`) is greedy. `top_k <= 0` disables top-k.
+    Penalties follow vLLM: presence/frequency are subtracted from logits of generated tokens,
+    repetition (> 1 penalises) divides positive / multiplies negative logits of prompt and
+    generated tokens (CTRL, Keskar et al. 2019, eq. 2).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        checks = [
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (math.isfinite(self.temperature) and self.temperature >= 0.0,
+             "temperature must be a finite number >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (isinstance(self.top_k, int) and self.top_k >= -1, "top_k must be -1, 0 or >= 1"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
+            (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be non-negative integers"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request as the scheduler sees it.
+
+    Mutated only by the scheduler through the methods below. `slot` is the live GDN state slot,
+    `page_table[i]` the page holding positions [i*page_size, (i+1)*page_size).
+    """
+
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_len: int
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    cached_len: int = 0
+    device_len: int = 0
+    pending: int = 0
+    slot: int | None = None
+    page_table: list[int] = field(default_factory=list)
+    prefix_node: Any = None
+    snapshots: dict[int, int] = field(default_factory=dict)
+    generator: torch.Generator | None = None
+    detok: Any = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        assert len(self.prompt_ids) >= 1, "a request needs at least one prompt token"
+        self._check()
+
+    def _check(self) -> None:
+        assert 0 <= self.cached_len <= self.device_len <= len(self.all_ids) <= self.max_len, (
+            self.cached_len, self.device_len, len(self.all_ids), self.max_len)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.device_len < self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def admit(self, cached_len: int, slot: int, page_table: list[int], prefix_node: Any) -> None:
+        """WAITING -> RUNNING with `cached_len` prompt tokens restored from the prefix cache."""
+        assert self.status is ReqStatus.WAITING
+        assert cached_len < self.prompt_len, "the last prompt token is always recomputed"
+        self.status = ReqStatus.RUNNING
+        self.cached_len = self.device_len = cached_len
+        self.slot, self.page_table, self.prefix_node = slot, page_table, prefix_node
+        self._check()
+
+    def schedule_chunk(self, budget: int) -> int:
+        """Number of prompt tokens the next prefill chunk feeds (at most `budget`)."""
+        assert self.in_prefill and budget >= 1
+        return min(budget, self.prompt_len - self.device_len)
+
+    def complete_step(self, n_tokens: int) -> None:
+        """`n_tokens` more tokens are now in KV and in the live GDN state."""
+        self.device_len += n_tokens
+        self._check()
+
+    def append_output(self, token: int) -> None:
+        self.output_ids.append(token)
+        self._check()
+
+    def widen_pending(self, k: int) -> None:
+        """A verify step runs k provisional rows past the pending token (not yet committed)."""
+        assert self.pending == 0 and k >= 0
+        self.pending = k
+
+    def commit_pending(self, n: int) -> None:
+        """Keep n of the k+1 verify rows (the pending token plus n-1 accepted drafts)."""
+        assert 1 <= n <= self.pending + 1
+        self.pending = 0
+        self.complete_step(n)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = ReqStatus.FINISHED
+        self.finish_reason = reason
+
+
+@dataclass
+class Batch:
+    """The requests one forward runs and the rows each contributes.
+
+    `extend_lens[i]` rows of `reqs[i]` start at position `reqs[i].device_len`; a decode batch has
+    one row per request, a verify batch `rows_per_req` (k+1) rows per request.
+    """
+
+    phase: Phase
+    reqs: list[Req]
+    extend_lens: list[int]
+    rows_per_req: int = 1
+
+    def __post_init__(self) -> None:
+        assert len(self.reqs) == len(self.extend_lens) and self.reqs
+        if self.phase is Phase.VERIFY:
+            assert self.rows_per_req > 1, "a verify batch must set rows_per_req"
+        if self.phase is not Phase.PREFILL:
+            assert all(n == self.rows_per_req for n in self.extend_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+
+class AttentionBackend(Protocol):
+    """What a full-attention layer calls; the engine provides it per forward."""
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (RoPE applied) -> o [T, Hq, D].
+
+        Writes k/v of the batch's new rows into the paged KV cache, then attends causally over
+        each request's cached positions plus its new rows.
+        """
+        ...
+
+
+class GDNBackend(Protocol):
+    """What a GDN layer calls; the engine provides it per forward."""
+
+    def forward(self, layer: Any, mixed_qkv: torch.Tensor, a: torch.Tensor,
+                b: torch.Tensor) -> torch.Tensor:
+        """mixed_qkv [T, conv_dim], a/b [T, HV] -> core output o [T, HV, V] (before gated norm).
+
+        `layer` exposes `gdn_id` (index among GDN layers), `conv_weight` [conv_dim, W],
+        `A_log` [HV], `dt_bias` [HV], `num_k_heads`, `num_v_heads`, `head_k_dim`, `head_v_dim`.
+        Runs conv1d + SiLU, splits q/k/v, gates, the gated delta rule, and reads/writes the
+        per-request GDN state (conv window + recurrent state) in its slot.
+        """
+        ...
+
+
+@dataclass
+class ForwardContext:
+    """Passed to `model.forward`; never a module global.
+
+    positions [T] int64: absolute position of each row. `hidden_sink`, when set, receives the
+    final hidden states (before the final norm is not needed: after it) for MTP proposers.
+    """
+
+    positions: torch.Tensor
+    attn: AttentionBackend
+    gdn: GDNBackend
+    hidden_sink: Any = None
