@@ -1,0 +1,46 @@
+"""Engine configuration: one dataclass, filled from CLI flags, `LLM(...)` keywords or tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Everything that sizes or switches the engine.
+
+    Units: tokens unless named otherwise. `model=None` means the embedded default model.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32
+    device: str = "auto"  # auto (cuda when available), cpu, cuda
+    seed: int = 0
+    page_size: int = 16
+    chunk_size: int = 2048  # prefill tokens per request per step
+    max_num_batched_tokens: int = 8192  # prefill tokens per step, all requests together
+    max_running_reqs: int = 64
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    num_pages: int | None = None  # KV pages; None: sized from kv_memory_gb
+    kv_memory_gb: float = 1.0  # KV + GDN snapshot budget when num_pages is None
+    num_snapshot_slots: int | None = None  # device GDN snapshot slots; None: 2 x max_running_reqs
+    enable_prefix_cache: bool = True
+    snapshot_grid: int = 64
+    decode_rows_per_req: int = 1  # k + 1 with speculative decoding
+    speculative_algorithm: str | None = None  # mtp | ngram
+    speculative_num_steps: int = 0
+    cuda_graphs: bool = True
+    log_every: int = 0  # step log line every N steps; 0 = off
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        if self.page_size < 1 or self.snapshot_grid % self.page_size and self.page_size % 64:
+            raise ValueError("page_size must be >= 1 and divide (or be a multiple of) 64")
+        if self.chunk_size < 1:
+            raise ValueError("chunk_size must be >= 1")
+        if self.max_running_reqs < 1:
+            raise ValueError("max_running_reqs must be >= 1")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError("dtype must be one of auto, bfloat16, float16, float32")
+        if self.speculative_algorithm not in (None, "mtp", "ngram"):
+            raise ValueError("speculative_algorithm must be one of mtp, ngram")
