@@ -1,0 +1,58 @@
+"""GDN backend: runs a GDN layer's conv1d + gated delta rule against the state pool's slots.
+
+Prefill rows go through the varlen conv and the chunked rule (initial state from each request's
+live slot, final state written back); decode rows through the one-row conv update and
+`gdn_decode`, both updating the slot in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.cache.state_pool import GDNStatePool
+from deltaserve.core import Phase
+from deltaserve.ops import conv1d, gdn
+
+
+@dataclass
+class GDNMetadata:
+    """phase; slots [N] int32 (live slot per request); cu_seqlens [N+1] int32 (prefill rows)."""
+
+    phase: Phase
+    slots: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+
+class PoolGDNBackend:
+    """GDNBackend over a GDNStatePool for one forward (see core.GDNBackend)."""
+
+    def __init__(self, pool: GDNStatePool, meta: GDNMetadata) -> None:
+        self.pool, self.meta = pool, meta
+
+    def forward(self, layer, mixed_qkv: torch.Tensor, a: torch.Tensor,
+                b: torch.Tensor) -> torch.Tensor:
+        meta, gid = self.meta, layer.gdn_id
+        conv_state = self.pool.conv[gid]
+        state = self.pool.recurrent[gid]
+        bias = getattr(layer, "conv_bias", None)
+        if meta.phase is Phase.PREFILL:
+            y = conv1d.causal_conv1d_prefill(mixed_qkv, layer.conv_weight, bias, conv_state,
+                                             meta.cu_seqlens, meta.slots)
+        else:
+            y = conv1d.causal_conv1d_update(mixed_qkv, layer.conv_weight, bias, conv_state,
+                                            meta.slots)
+        h, hv = layer.num_k_heads, layer.num_v_heads
+        dk, dv = layer.head_k_dim, layer.head_v_dim
+        q, k, v = torch.split(y, [h * dk, h * dk, hv * dv], dim=-1)
+        q, k, v = q.reshape(-1, h, dk), k.reshape(-1, h, dk), v.reshape(-1, hv, dv)
+        scale = dk ** -0.5
+        if meta.phase is Phase.PREFILL:
+            g, beta = gdn.gdn_gates(a, b, layer.A_log, layer.dt_bias)
+            slots = meta.slots.long()
+            o, final = gdn.gdn_prefill(q, k, v, g, beta, state[slots], meta.cu_seqlens, scale)
+            state[slots] = final
+            return o
+        return gdn.gdn_decode(q, k, v, a, b, layer.A_log, layer.dt_bias, state, meta.slots,
+                              scale)

@@ -1,0 +1,251 @@
+"""LLMEngine: the synchronous engine behind `LLM` and the server (not thread-safe)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.cache.page_pool import PagePool
+from deltaserve.cache.prefix_cache import PrefixCache
+from deltaserve.cache.state_pool import GDNStatePool
+from deltaserve.config import EngineConfig
+from deltaserve.core import Phase, Req, SamplingParams
+from deltaserve.engine.attention import PagedKVCache
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.model_runner import ModelRunner
+from deltaserve.engine.sampling import SamplingRow, sample_rows
+from deltaserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger("deltaserve.engine")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (deltas, not totals, except the counts)."""
+
+    rid: int
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if cfg.dtype == "auto":
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, cfg.dtype)
+    return dev, dtype
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer (transformers fast tokenizer), or None when it has none."""
+    if not any(os.path.exists(os.path.join(path, f))
+               for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLMEngine:
+    """Loads a model, sizes the caches, and runs scheduler steps.
+
+    Raises ValueError for a bad config, an unknown model type or a broken checkpoint
+    (from the loader, naming the tensor).
+    """
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        from deltaserve.model.loader import load_model
+
+        cfg.validate()
+        self.cfg = cfg
+        if cfg.model is None:
+            from deltaserve.default_model import default_model_path
+
+            path = default_model_path()
+        else:
+            path = cfg.model
+        self.model_path = path
+        self.model_name = cfg.model or "deltaserve-default"
+        self.device, self.dtype = resolve_device_dtype(cfg)
+        torch.manual_seed(cfg.seed)
+        self.model = load_model(path, self.dtype, self.device)
+        self.tokenizer = load_tokenizer(path)
+        mc = self.model.config
+        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        eos = mc.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self._build_caches()
+        self.scheduler = Scheduler(cfg, self.page_pool, self.state_pool, self.prefix_cache,
+                                   self.eos_ids)
+        self.runner = ModelRunner(self.model, self.kv, self.state_pool, self.device)
+        self._rids = itertools.count()
+        self._reqs: dict[int, Req] = {}
+        self.num_steps = 0
+        self.generated_tokens = 0
+
+    def _build_caches(self) -> None:
+        cfg, mc = self.cfg, self.model.config
+        attn_layers = list(self.model.attention_layer_ids)
+        if cfg.num_pages is not None:
+            num_pages = cfg.num_pages
+        else:
+            per_page = PagedKVCache.bytes_per_page(len(attn_layers), cfg.page_size,
+                                                   mc.num_key_value_heads, mc.head_dim,
+                                                   self.dtype)
+            num_pages = max(2, int(cfg.kv_memory_gb * 2**30) // per_page)
+            # never more than every running request at full length could use
+            cap = cfg.max_running_reqs * -(-(self.max_model_len + cfg.decode_rows_per_req)
+                                           // cfg.page_size) + 1
+            num_pages = min(num_pages, cap)
+        self.kv = PagedKVCache(attn_layers, num_pages, cfg.page_size, mc.num_key_value_heads,
+                               mc.head_dim, self.dtype, self.device)
+        self.page_pool = PagePool(num_pages, cfg.page_size)
+        snapshot_slots = (cfg.num_snapshot_slots if cfg.num_snapshot_slots is not None
+                          else 2 * cfg.max_running_reqs)
+        num_slots = 1 + 2 * cfg.max_running_reqs + snapshot_slots
+        self.state_pool = GDNStatePool(
+            mc.num_gdn_layers, num_slots, mc.linear_num_value_heads, mc.linear_value_head_dim,
+            mc.linear_key_head_dim, mc.conv_dim, mc.linear_conv_kernel_dim, self.device,
+            self.dtype)
+        self.prefix_cache = PrefixCache(self.page_pool, self.state_pool, cfg.page_size,
+                                        grid=math.lcm(cfg.snapshot_grid, cfg.page_size))
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    rid: int | None = None) -> int:
+        """Queue a request; raises ValueError for bad parameters or a prompt that is empty,
+        has ids outside the vocabulary, or leaves no room to generate within the context."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens but the context length is "
+                f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit")
+        rid = next(self._rids) if rid is None else rid
+        if rid in self._reqs:
+            raise ValueError(f"request id {rid} is already in use")
+        max_len = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, max_len=max_len,
+                  arrival_time=time.monotonic())
+        if params.seed is not None:
+            req.generator = torch.Generator().manual_seed(params.seed)
+        req.detok = IncrementalDetokenizer(self.tokenizer, list(params.stop))
+        self.scheduler.add(req)
+        self._reqs[rid] = req
+        return rid
+
+    def abort(self, rid: int) -> bool:
+        """Abort `rid` (waiting or running) and free its pages and slots."""
+        req = self.scheduler.abort(rid)
+        self._reqs.pop(rid, None)
+        return req is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def flush_cache(self) -> None:
+        self.prefix_cache.flush()
+
+    # ---- stepping -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one batch; return the outputs of requests that advanced."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        out = self.runner.forward(batch)
+        rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator)
+                for r in out.owners]
+        tokens = sample_rows(out.logits, rows) if rows else []
+        sampled: dict[int, list[int]] = {}
+        for req, tok in zip(out.owners, tokens):
+            sampled.setdefault(req.rid, []).append(tok)
+        before = {r.rid: len(r.output_ids) for r in batch.reqs}
+        self.scheduler.process(batch, sampled)
+        self.num_steps += 1
+        self._log_step(batch)
+        outputs = []
+        now = time.monotonic()
+        for req in batch.reqs:
+            new_ids = req.output_ids[before[req.rid]:]
+            if not new_ids and not req.finished:
+                continue
+            if new_ids and req.first_token_time is None:
+                req.first_token_time = now
+            self.generated_tokens += len(new_ids)
+            outputs.append(RequestOutput(
+                rid=req.rid, new_token_ids=new_ids,
+                new_text=req.detok.take_new_text(final=req.finished),
+                finished=req.finished,
+                finish_reason=req.finish_reason.value if req.finish_reason else None,
+                prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
+                cached_tokens=req.cached_len))
+            if req.finished:
+                self._reqs.pop(req.rid, None)
+        return outputs
+
+    def _log_step(self, batch) -> None:
+        every = self.cfg.log_every
+        if not every or self.num_steps % every:
+            return
+        new = batch.num_tokens
+        cached = sum(r.cached_len for r in batch.reqs) if batch.phase is Phase.PREFILL else 0
+        pool = self.page_pool
+        logger.info(
+            "step %d %s batch: #req %d, #new-token %d, #cached-token %d, pages %d/%d used, "
+            "#slots %d/%d used, running %d, waiting %d", self.num_steps, batch.phase.value,
+            batch.size, new, cached, pool.num_pages - 1 - pool.num_free, pool.num_pages - 1,
+            self.state_pool.num_slots - 1 - self.state_pool.num_free,
+            self.state_pool.num_slots - 1, len(self.scheduler.running),
+            len(self.scheduler.waiting))
+
+    # ---- introspection ------------------------------------------------------------------
+    def cache_status(self) -> dict:
+        pool, sp = self.page_pool, self.state_pool
+        stats = self.prefix_cache.stats()
+        return {
+            "page_size": self.cfg.page_size,
+            "pages_total": pool.num_pages - 1,
+            "pages_free": pool.num_free,
+            "pages_cached": stats.n_pages,
+            "slots_total": sp.num_slots - 1,
+            "slots_free": sp.num_free,
+            "slots_snapshot": stats.n_snapshots,
+            "running_requests": len(self.scheduler.running),
+            "waiting_requests": len(self.scheduler.waiting),
+            "hit_tokens": self.scheduler.hit_tokens,
+            "prompt_tokens": self.scheduler.prompt_tokens,
+        }
+
+    def metrics(self) -> dict[str, float]:
+        status = self.cache_status()
+        return {
+            "num_steps": float(self.num_steps),
+            "generated_tokens": float(self.generated_tokens),
+            "prompt_tokens": float(status["prompt_tokens"]),
+            "cached_tokens": float(status["hit_tokens"]),
+            "running_requests": float(status["running_requests"]),
+            "waiting_requests": float(status["waiting_requests"]),
+            "pages_used": float(status["pages_total"] - status["pages_free"]),
+            "slots_used": float(status["slots_total"] - status["slots_free"]),
+        }

@@ -1,0 +1,87 @@
+"""Offline API: `LLM(model).generate(prompts, sampling_params)`, as in vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from deltaserve.config import EngineConfig
+from deltaserve.core import SamplingParams
+from deltaserve.engine.llm_engine import LLMEngine
+
+
+@dataclass
+class CompletionOutput:
+    """One finished request: generated token ids and text, why it stopped, cache reuse."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    cached_tokens: int
+
+
+class LLM:
+    """Runs the engine to completion over a list of prompts.
+
+    `model=None` serves the embedded default model; other keywords are EngineConfig fields
+    (e.g. `page_size=16, chunk_size=512, enable_prefix_cache=False`). Unknown keywords raise
+    TypeError.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown engine options: {sorted(unknown)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[CompletionOutput]:
+        """Generate for every prompt (text, or token id lists); outputs in prompt order.
+
+        Raises ValueError for a bad prompt or bad sampling parameters before anything runs.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("give one SamplingParams or one per prompt")
+        id_lists = [self._encode(p) for p in prompts]
+        rids = []
+        try:
+            for ids, params in zip(id_lists, sampling_params):
+                rids.append(self.engine.add_request(ids, _copy(params)))
+        except ValueError:
+            for rid in rids:
+                self.engine.abort(rid)
+            raise
+        results: dict[int, CompletionOutput] = {
+            rid: CompletionOutput(ids, [], "", None, 0) for rid, ids in zip(rids, id_lists)}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                res = results[out.rid]
+                res.token_ids.extend(out.new_token_ids)
+                res.text += out.new_text
+                res.cached_tokens = out.cached_tokens
+                if out.finished:
+                    res.finish_reason = out.finish_reason
+        return [results[rid] for rid in rids]
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.engine.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token id lists")
+            return self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+
+def _copy(params: SamplingParams) -> SamplingParams:
+    return SamplingParams(**{f.name: getattr(params, f.name) for f in fields(SamplingParams)})

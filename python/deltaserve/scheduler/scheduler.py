@@ -1,0 +1,237 @@
+"""Continuous-batching scheduler: admission, chunked prefill, decode, commit, finish.
+
+Memory rule: a request is admitted only when the pages it may still need (up to `max_len`
+plus the extra rows of a verify step) fit in free + evictable pages minus what running
+requests have reserved, and its slots are taken at admission. So a running request never
+waits for memory and nothing is preempted; requests that cannot fit wait in FIFO order.
+
+Snapshots: a prompt's last grid boundary B (multiple of lcm(64, page_size), B <= prompt_len)
+ends a prefill chunk, so the live state after the chunk is exactly the state after B tokens;
+it is copied to the request's track slot and inserted into the prefix cache when the
+request finishes. A finished request whose processed length is on the grid gives its live
+slot to the cache as a second snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import TYPE_CHECKING
+
+from deltaserve.core import Batch, FinishReason, Phase, Req, ReqStatus
+
+if TYPE_CHECKING:
+    from deltaserve.cache.page_pool import PagePool
+    from deltaserve.cache.prefix_cache import PrefixCache
+    from deltaserve.cache.state_pool import GDNStatePool
+    from deltaserve.config import EngineConfig
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and every request's pages and slots."""
+
+    def __init__(self, cfg: EngineConfig, page_pool: PagePool, state_pool: GDNStatePool,
+                 cache: PrefixCache, eos_ids: set[int]) -> None:
+        self.cfg = cfg
+        self.page_pool, self.state_pool, self.cache = page_pool, state_pool, cache
+        self.page_size = cfg.page_size
+        self.grid = math.lcm(cfg.snapshot_grid, cfg.page_size)
+        self.extra_rows = cfg.decode_rows_per_req - 1
+        self.eos_ids = eos_ids
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.track_slot: dict[int, int] = {}
+        self.snapshot_depth: dict[int, int] = {}
+        self.hit_tokens = 0
+        self.prompt_tokens = 0
+
+    # ---- sizing -------------------------------------------------------------------------
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def pages_needed(self, req: Req) -> int:
+        """Pages covering every position `req` may write (max_len plus the verify rows)."""
+        return self.pages_for(req.max_len + self.extra_rows)
+
+    def check_fits(self, req: Req) -> None:
+        """Raise ValueError when `req` could never be admitted, even with an empty cache."""
+        usable = self.page_pool.num_pages - 1
+        if self.pages_needed(req) > usable:
+            raise ValueError(
+                f"request needs {self.pages_needed(req)} KV pages of {self.page_size} tokens "
+                f"(prompt {req.prompt_len} + max_tokens {req.params.max_tokens}) but the pool "
+                f"has {usable}; lower max_tokens or raise --num-pages / --kv-memory-gb")
+
+    def reserved_pages(self) -> int:
+        return sum(max(0, self.pages_needed(r) - len(r.page_table)) for r in self.running)
+
+    # ---- queue --------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        self.check_fits(req)
+        self.waiting.append(req)
+
+    def abort(self, rid: int) -> Req | None:
+        """Finish request `rid` with ABORT and free everything it holds."""
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.finish(FinishReason.ABORT)
+                return req
+        for req in self.running:
+            if req.rid == rid:
+                req.finish(FinishReason.ABORT)
+                self.release(req)
+                return req
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- admission ----------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_running_reqs:
+            req = self.waiting[0]
+            match = self.cache.match(req.prompt_ids) if self.cfg.enable_prefix_cache else None
+            cached_len = match.cached_len if match else 0
+            if match:
+                self.cache.lock(match.node)
+            depth = (req.prompt_len // self.grid) * self.grid
+            wants_snapshot = self.cfg.enable_prefix_cache and depth > cached_len
+            n_slots = 2 if wants_snapshot else 1
+            need_pages = self.pages_needed(req) - len(match.pages if match else [])
+            avail_pages = (self.page_pool.num_free + self.cache.evictable_pages()
+                           - self.reserved_pages())
+            avail_slots = self.state_pool.num_free + self.cache.evictable_slots()
+            if need_pages > avail_pages or n_slots > avail_slots:
+                if match:
+                    self.cache.unlock(match.node)
+                return
+            self.waiting.popleft()
+            live = self._take_slot()
+            if match and match.snapshot_slot is not None:
+                self.state_pool.copy(match.snapshot_slot, live)
+            else:
+                self.state_pool.zero(live)
+            if wants_snapshot:
+                self.track_slot[req.rid] = self._take_slot()
+                self.snapshot_depth[req.rid] = depth
+            req.admit(cached_len, live, list(match.pages) if match else [],
+                      match.node if match else None)
+            self.hit_tokens += cached_len
+            self.prompt_tokens += req.prompt_len
+            self.running.append(req)
+
+    def _take_slot(self) -> int:
+        if not self.state_pool.can_allocate(1):
+            self.cache.evict(n_slots=1)
+        return self.state_pool.allocate()
+
+    def _ensure_pages(self, req: Req, n_tokens: int) -> None:
+        need = self.pages_for(n_tokens) - len(req.page_table)
+        if need <= 0:
+            return
+        short = need - self.page_pool.num_free
+        if short > 0:
+            self.cache.evict(n_pages=short)
+        req.page_table.extend(self.page_pool.allocate(need))
+
+    # ---- batches ------------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        """Admit what fits, then return a prefill batch if any prompt is unfinished, else a
+        decode batch of every running request; None when nothing runs."""
+        self._admit()
+        prefill = [r for r in self.running if r.in_prefill]
+        if prefill:
+            reqs, lens, budget = [], [], self.cfg.max_num_batched_tokens
+            for req in prefill:
+                if budget <= 0:
+                    break
+                n = req.schedule_chunk(min(self.cfg.chunk_size, budget))
+                depth = self.snapshot_depth.get(req.rid)
+                if depth is not None and req.device_len < depth < req.device_len + n:
+                    n = depth - req.device_len
+                self._ensure_pages(req, req.device_len + n)
+                reqs.append(req)
+                lens.append(n)
+                budget -= n
+            return Batch(Phase.PREFILL, reqs, lens)
+        if not self.running:
+            return None
+        for req in self.running:
+            self._ensure_pages(req, req.device_len + self.cfg.decode_rows_per_req)
+        return Batch(Phase.DECODE, list(self.running), [1] * len(self.running))
+
+    # ---- results ------------------------------------------------------------------------
+    def process(self, batch: Batch, sampled: dict[int, list[int]]) -> list[Req]:
+        """Advance each request of `batch` past its rows and commit its sampled tokens.
+
+        `sampled[rid]` holds the tokens to commit (empty for a prefill chunk that does not end
+        the prompt). Returns the requests that finished in this step (already released).
+        """
+        finished = []
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            if req.finished:  # aborted while the step ran
+                continue
+            req.complete_step(n)
+            if self.snapshot_depth.get(req.rid) == req.device_len:
+                track = self.track_slot[req.rid]
+                self.state_pool.copy(req.slot, track)
+                req.snapshots[req.device_len] = track
+            tokens = sampled.get(req.rid, [])
+            if tokens:
+                self._commit_tokens(req, tokens)
+            if req.finished:
+                self.release(req)
+                finished.append(req)
+        return finished
+
+    def _commit_tokens(self, req: Req, tokens: list[int]) -> int:
+        """Append `tokens` in order, stopping at the first that finishes `req`; returns how
+        many were committed."""
+        for i, token in enumerate(tokens):
+            req.append_output(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                req.finish(reason)
+                return i + 1
+        return len(tokens)
+
+    def _stop_reason(self, req: Req, token: int) -> FinishReason | None:
+        p = req.params
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if req.detok is not None and req.detok.append(token):
+            return FinishReason.STOP
+        if len(req.output_ids) >= p.max_tokens or len(req.all_ids) >= req.max_len:
+            return FinishReason.LENGTH
+        return None
+
+    # ---- release ------------------------------------------------------------------------
+    def release(self, req: Req) -> None:
+        """Give `req`'s pages and slots to the prefix cache (finished normally) or back to the
+        pools (aborted); unlock its matched prefix. `req` holds nothing afterwards."""
+        assert req.status is ReqStatus.FINISHED
+        if req in self.running:
+            self.running.remove(req)
+        track = self.track_slot.pop(req.rid, None)
+        self.snapshot_depth.pop(req.rid, None)
+        owned_from = req.cached_len // self.page_size  # pages before this came from the tree
+        slots_left = [req.slot] + ([track] if track is not None else [])
+        if self.cfg.enable_prefix_cache and req.finish_reason is not FinishReason.ABORT:
+            n_pages = req.device_len // self.page_size
+            snaps = dict(req.snapshots)
+            if req.device_len % self.grid == 0 and req.device_len > 0 \
+                    and req.device_len not in snaps:
+                snaps[req.device_len] = req.slot
+            result = self.cache.insert(req.all_ids[: n_pages * self.page_size],
+                                       req.page_table[:n_pages], snaps)
+            self.page_pool.free(list(result.freed_pages) + req.page_table[n_pages:])
+            taken = set(snaps.values()) - set(result.unused_slots)
+            slots_left = [s for s in slots_left if s not in taken]
+        else:
+            self.page_pool.free(req.page_table[owned_from:])
+        for slot in slots_left:
+            self.state_pool.free(slot)
+        if req.prefix_node is not None:
+            self.cache.unlock(req.prefix_node)
+        req.slot, req.page_table, req.prefix_node, req.snapshots = None, [], None, {}

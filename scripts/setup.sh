@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up deltaserve in ./.venv: torch, the package and its test tools.
+# The CUDA extension is built when a CUDA toolkit is found (DELTASERVE_BUILD_EXT=0|1 forces it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  # torch 2.14.1 is a CUDA 13.0 build: it runs on the CPU too and can build the extension
+  .venv/bin/pip install -q "torch==2.14.1"
+fi
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export CUDA_HOME=/usr/local/cuda
+fi
+.venv/bin/pip install -q --no-build-isolation -e ".[test]"
+echo "deltaserve is installed in $(pwd)/.venv"
