@@ -1,0 +1,74 @@
+"""Sampling rules: greedy, truncation, penalties, seeds; the incremental detokenizer."""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.core import SamplingParams
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.sampling import SamplingRow, apply_penalties, sample_rows, truncated_probs
+
+
+def row(params: SamplingParams, prompt=(), generated=(), seed=None) -> SamplingRow:
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SamplingRow(params, list(prompt), list(generated), gen)
+
+
+def test_greedy_rows_take_the_argmax_and_top_k_1_is_greedy():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [3.0, 0.0, 0.0, 0.0]])
+    rows = [row(SamplingParams(temperature=0.0)), row(SamplingParams(top_k=1))]
+    assert sample_rows(logits, rows) == [1, 0]
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = truncated_probs(logits, SamplingParams(top_p=0.8))
+    assert torch.allclose(probs, torch.tensor([0.5, 0.3, 0.0, 0.0]) / 0.8)
+    probs = truncated_probs(logits, SamplingParams(top_p=0.81))
+    assert torch.allclose(probs, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+
+
+def test_top_k_and_min_p_truncate():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    assert torch.count_nonzero(truncated_probs(logits, SamplingParams(top_k=2))) == 2
+    probs = truncated_probs(logits, SamplingParams(min_p=0.45))  # keep p >= 0.18
+    assert torch.allclose(probs, torch.tensor([0.4, 0.3, 0.2, 0.0]) / 0.9)
+
+
+def test_penalties_follow_the_openai_and_ctrl_rules():
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    rep = apply_penalties(logits, row(SamplingParams(repetition_penalty=2.0), prompt=[0, 1]))
+    assert rep.tolist() == [1.0, -4.0, 1.0, 0.5]
+    pen = apply_penalties(logits, row(SamplingParams(presence_penalty=0.5,
+                                                     frequency_penalty=0.25),
+                                      generated=[2, 2, 3]))
+    assert pen.tolist() == [2.0, -2.0, 1.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.25]
+
+
+def test_a_seeded_request_samples_the_same_tokens_again():
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(0))
+    p = SamplingParams(temperature=1.0, seed=7)
+    first = [sample_rows(logits[i:i + 1], [row(p, seed=7)])[0] for i in range(8)]
+    again = [sample_rows(logits[i:i + 1], [row(p, seed=7)])[0] for i in range(8)]
+    assert first == again
+
+
+class CharTokenizer:
+    """Token id i decodes to chr(i); id 0 is a special token (skipped)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if i != 0)
+
+
+def test_a_stop_string_cuts_the_text_and_prefixes_are_held_back():
+    det = IncrementalDetokenizer(CharTokenizer(), stop=["END"])
+    for ch in "abE":
+        assert not det.append(ord(ch))
+    assert det.take_new_text() == "ab"  # "E" may start "END"
+    assert not det.append(ord("x"))
+    assert det.take_new_text() == "Ex"
+    for ch in "yEN":
+        det.append(ord(ch))
+    assert det.append(ord("D"))
+    assert det.take_new_text(final=True) == "y"
+    assert det.text == "abExy"
