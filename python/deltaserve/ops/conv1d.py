@@ -1,0 +1,132 @@
+"""Depthwise causal conv1d (width W) + SiLU over the GDN layer's mixed q/k/v, with per-slot windows.
+
+The window of a request is the last W-1 conv inputs, `conv_state[slot]` [W-1, D] (oldest row
+first, channel-contiguous). Row t of the output is
+    y[t] = silu(bias + sum_{w<W} weight[:, w] * z[t + w]),   z = window ++ x,
+accumulated in fp32 (w ascending) and cast to x's dtype; windows are stored in conv_state's dtype.
+Source: transformers' Qwen3-Next `torch_causal_conv1d_update` (same math, per-slot windows here).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltaserve.ops._exact import pointwise
+from deltaserve.ops._ext import use_extension
+
+
+def _conv_rows(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               rows: int) -> torch.Tensor:
+    """z [..., W-1+rows, D] -> silu(conv) [..., rows, D] fp32; the one arithmetic path on CPU."""
+    width = weight.shape[1]
+    w32 = weight.float()
+    acc = torch.zeros(*z.shape[:-2], rows, z.shape[-1], dtype=torch.float32, device=z.device)
+    if bias is not None:
+        acc = acc + bias.float()
+    for i in range(width):
+        acc = acc + z[..., i:i + rows, :].float() * w32[:, i]
+    return pointwise(F.silu, acc)
+
+
+def _check(weight: torch.Tensor, conv_state: torch.Tensor, d: int) -> None:
+    if weight.dim() != 2 or weight.shape[0] != d:
+        raise ValueError(f"weight must be [D={d}, W], got {tuple(weight.shape)}")
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (weight.shape[1] - 1, d):
+        raise ValueError(f"conv_state must be [S, W-1={weight.shape[1] - 1}, D={d}], "
+                         f"got {tuple(conv_state.shape)}")
+
+
+def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                          slots: torch.Tensor, track_offsets: torch.Tensor | None = None,
+                          track_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Varlen conv + SiLU over packed sequences, continuing each from its slot's window.
+
+    x [T, D] (bf16/fp16/fp32), weight [D, W], bias [D] or None, conv_state [S, W-1, D],
+    cu_seqlens [N+1] int32 (sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]), slots [N] int32.
+    Sequence i starts from conv_state[slots[i]]; its final window is written back there. With
+    track_offsets/track_slots [N] int32: the window after track_offsets[i] tokens of sequence i
+    (0 <= offset <= length) is also written to conv_state[track_slots[i]]; track slot 0 means
+    none. All windows are read before any is written. Returns y [T, D] in x's dtype.
+    Raises ValueError on mismatched shapes.
+    """
+    _check(weight, conv_state, x.shape[-1])
+    if (track_offsets is None) != (track_slots is None):
+        raise ValueError("track_offsets and track_slots go together")
+    if use_extension(x, conv_state):
+        return torch.ops.deltaserve.causal_conv1d_prefill(
+            x, weight, bias, conv_state, cu_seqlens, slots, track_offsets, track_slots)
+    return _prefill_ref(x, weight, bias, conv_state, cu_seqlens, slots, track_offsets,
+                        track_slots)
+
+
+def _prefill_ref(x, weight, bias, conv_state, cu_seqlens, slots, track_offsets, track_slots):
+    keep = weight.shape[1] - 1
+    bounds = cu_seqlens.tolist()
+    slot_list = slots.tolist()
+    windows = conv_state[slots.long()].clone()
+    y = torch.empty_like(x)
+    writes = []
+    for i, slot in enumerate(slot_list):
+        start, end = bounds[i], bounds[i + 1]
+        z = torch.cat([windows[i].to(x.dtype), x[start:end]], dim=0)
+        y[start:end] = _conv_rows(z, weight, bias, end - start).to(x.dtype)
+        writes.append((slot, z[z.shape[0] - keep:]))
+        if track_slots is not None and int(track_slots[i]) != 0:
+            off = int(track_offsets[i])
+            writes.append((int(track_slots[i]), z[off:off + keep]))
+    for slot, window in writes:
+        conv_state[slot] = window.to(conv_state.dtype)
+    return y
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One new row per request: y [N, D] (x's dtype); conv_state[slots[i]] shifted by x[i].
+
+    x [N, D], weight [D, W], bias [D] or None, conv_state [S, W-1, D], slots [N] int32.
+    Repeated slots (padding slot 0) are allowed; their window ends up holding one of the rows.
+    """
+    _check(weight, conv_state, x.shape[-1])
+    if use_extension(x, conv_state):
+        return torch.ops.deltaserve.causal_conv1d_update(x, weight, bias, conv_state, slots)
+    idx = slots.long()
+    z = torch.cat([conv_state[idx].to(x.dtype), x[:, None]], dim=1)
+    y = _conv_rows(z, weight, bias, 1)[:, 0].to(x.dtype)
+    conv_state[idx] = z[:, 1:].to(conv_state.dtype)
+    return y
+
+
+def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """R rows per request from its window; the window is NOT written.
+
+    x [N, R, D], weight [D, W], bias [D] or None, conv_state [S, W-1, D], slots [N] int32.
+    Returns y [N, R, D] (x's dtype); row r equals what r+1 causal_conv1d_update steps yield.
+    Advance the windows afterwards with `causal_conv1d_commit`.
+    """
+    _check(weight, conv_state, x.shape[-1])
+    if use_extension(x, conv_state):
+        return torch.ops.deltaserve.causal_conv1d_verify(x, weight, bias, conv_state, slots)
+    z = torch.cat([conv_state[slots.long()].to(x.dtype), x], dim=1)
+    return _conv_rows(z, weight, bias, x.shape[1]).to(x.dtype)
+
+
+def causal_conv1d_commit(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                         accepted: torch.Tensor) -> None:
+    """Advance windows by the accepted verify rows: window <- last W-1 rows of window ++ x[:n].
+
+    x [N, R, D] (the verify inputs), conv_state [S, W-1, D], slots [N] int32,
+    accepted [N] int32 in 0..R. Equal to accepted[i] causal_conv1d_update steps on the window.
+    """
+    if conv_state.dim() != 3 or conv_state.shape[2] != x.shape[-1]:
+        raise ValueError(f"conv_state must be [S, W-1, D={x.shape[-1]}]")
+    if use_extension(x, conv_state):
+        torch.ops.deltaserve.causal_conv1d_commit(x, conv_state, slots, accepted)
+        return
+    keep = conv_state.shape[1]
+    idx = slots.long()
+    z = torch.cat([conv_state[idx], x.to(conv_state.dtype)], dim=1)  # [N, keep + R, D]
+    pos = accepted.long()[:, None] + torch.arange(keep, device=x.device)  # [N, keep]
+    conv_state[idx] = torch.gather(z, 1, pos[:, :, None].expand(-1, -1, z.shape[2]))
