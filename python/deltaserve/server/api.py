@@ -1,0 +1,178 @@
+"""The OpenAI-compatible HTTP API: `build_app(async_engine)` returns the FastAPI app.
+
+Every error answers with the OpenAI error object {"error": {"message", "type", "param",
+"code"}}: bad requests (validation, malformed JSON, context limit, sampling parameters) with
+400, unknown routes with 404, a shut-down engine with 503, anything unexpected with 500 (the
+server keeps serving).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from deltaserve.server.async_engine import AsyncEngine, EngineDeadError
+from deltaserve.server.metrics import ServerMetrics
+from deltaserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    InvalidRequest,
+    ModelCard,
+    ModelList,
+)
+from deltaserve.server.serving import ClientGone, OpenAIServing
+
+logger = logging.getLogger("deltaserve.server")
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none)$|[\[\-]")
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) for the first pydantic error; the param path skips union type tags."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"Malformed JSON in the request body: {first.get('msg')}", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    path = []
+    for part in loc:
+        if _TYPE_TAG.search(part):
+            break
+        path.append(part)
+    param = ".".join(path) or None
+    if param is None and first.get("type") == "missing":
+        return "the request body is missing or not a JSON object", None
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"{param or 'body'}: {first.get('msg')}{more}", param
+
+
+class InternalErrors:
+    """ASGI middleware: an unhandled exception becomes a 500 OpenAI error, logged once."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracking(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception as e:
+            logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
+            self.metrics.errors.labels(status="500").inc()
+            if started:  # nothing sane to add to a response already under way
+                return
+            response = error_response(500, f"internal server error: {type(e).__name__}: {e}",
+                                      type="server_error")
+            await response(scope, receive, send)
+
+
+def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def counted(response: JSONResponse) -> JSONResponse:
+        metrics.errors.labels(status=str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(InvalidRequest)
+    async def invalid_request(request: Request, exc: InvalidRequest) -> JSONResponse:
+        logger.info("%s %s -> %d: %s", request.method, request.url.path, exc.status,
+                    exc.message)
+        return counted(error_response(exc.status, exc.message, exc.type, exc.param, exc.code))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_error(exc)
+        logger.info("%s %s -> 400: %s", request.method, request.url.path, message)
+        return counted(error_response(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        else:
+            message = str(exc.detail)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return counted(error_response(exc.status_code, message, kind))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return counted(error_response(503, str(exc), "server_error"))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; the request was aborted
+
+
+def build_app(engine: AsyncEngine) -> FastAPI:
+    """The FastAPI app serving `engine`. The caller owns the engine (and shuts it down)."""
+    app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ServerMetrics()
+    serving = OpenAIServing(engine, metrics)
+    app.state.engine, app.state.metrics = engine, metrics
+    app.add_middleware(InternalErrors, metrics=metrics)
+    _install_error_handlers(app, metrics)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request):
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await serving.chat(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=engine.model_name,
+                                         max_model_len=engine.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.alive:
+            return error_response(503, "the engine thread is not running", "server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        status = await engine.call(lambda e: e.cache_status())
+        text = metrics.render(status, engine.num_inflight)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/cache/status")
+    async def cache_status() -> JSONResponse:
+        return JSONResponse(await engine.call(lambda e: e.cache_status()))
+
+    @app.post("/v1/cache/flush")
+    async def cache_flush() -> JSONResponse:
+        def flush(e) -> dict:
+            e.flush_cache()
+            return e.cache_status()
+
+        status = await engine.call(flush)
+        logger.info("prefix cache flushed")
+        return JSONResponse({"flushed": True, "cache_status": status})
+
+    return app

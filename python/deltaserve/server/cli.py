@@ -1,0 +1,184 @@
+"""The `deltaserve` command: `generate` prints completions, `serve` runs the HTTP server.
+
+Engine flags are derived from EngineConfig's fields, one flag per field (`page_size` ->
+`--page-size`; a boolean that defaults to on, such as `enable_prefix_cache` or `cuda_graphs`,
+becomes `--disable-prefix-cache` / `--disable-cuda-graphs`), so a new config field gets a flag
+without touching this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+
+from deltaserve.config import EngineConfig
+
+logger = logging.getLogger("deltaserve.server")
+
+# fields set from other flags, never directly
+_DERIVED = {"decode_rows_per_req"}
+_HELP = {
+    "model": "checkpoint folder (config.json + safetensors); default: the embedded model",
+    "dtype": "auto (bf16 on GPU, fp32 on CPU), bfloat16, float16 or float32",
+    "device": "auto (cuda when available), cpu or cuda",
+    "page_size": "KV positions per page",
+    "chunk_size": "prefill tokens per request per step",
+    "max_num_batched_tokens": "prefill tokens per step, all requests together",
+    "max_running_reqs": "requests decoded together",
+    "max_model_len": "context length (default: the model's max_position_embeddings)",
+    "num_pages": "KV pages (default: sized from --kv-memory-gb)",
+    "kv_memory_gb": "KV + snapshot memory budget in GiB when --num-pages is not given",
+    "num_snapshot_slots": "device GDN snapshot slots (default: 2 x max running requests)",
+    "enable_prefix_cache": "turn the hybrid prefix cache off",
+    "snapshot_grid": "GDN snapshot spacing in tokens (a multiple of 64)",
+    "speculative_algorithm": "mtp or ngram",
+    "speculative_num_steps": "drafts per verify step",
+    "cuda_graphs": "run decode without CUDA graphs",
+    "log_every": "log a step line every N steps (0: off)",
+    "seed": "engine random seed",
+}
+
+
+def _flag(name: str, default: object) -> str:
+    if default is True:
+        return "--disable-" + name.removeprefix("enable_").replace("_", "-")
+    return "--" + name.replace("_", "-")
+
+
+def _value_type(annotation: str) -> type:
+    for name, kind in (("bool", bool), ("int", int), ("float", float)):
+        if name in annotation.replace(" ", "").split("|"):
+            return kind
+    return str
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field; unset flags keep the dataclass default."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _DERIVED:
+            continue
+        annotation = f.type if isinstance(f.type, str) else f.type.__name__
+        kind, help_ = _value_type(annotation), _HELP.get(f.name, f.name.replace("_", " "))
+        if kind is bool:
+            action = "store_false" if f.default is True else "store_true"
+            group.add_argument(_flag(f.name, f.default), dest=f.name, action=action,
+                               default=argparse.SUPPRESS, help=help_)
+        else:
+            if "default" not in help_:
+                help_ += f" (default: {f.default})"
+            group.add_argument(_flag(f.name, f.default), dest=f.name, type=kind,
+                               default=argparse.SUPPRESS, help=help_)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from parsed flags; `decode_rows_per_req` follows the speculation flags."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    cfg = EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    if cfg.speculative_algorithm is not None:
+        cfg.decode_rows_per_req = cfg.speculative_num_steps + 1
+    cfg.validate()
+    return cfg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="print completions of the prompts (or stdin lines)")
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT",
+                     help="prompts; none: one prompt per line of standard input")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap each prompt as a user message in the chat template")
+    add_engine_flags(gen)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    add_engine_flags(serve)
+    return parser
+
+
+def _make_engine(args: argparse.Namespace):
+    """LLMEngine from the flags; a bad flag or checkpoint exits with one clear line."""
+    from deltaserve.engine.llm_engine import LLMEngine
+
+    try:
+        return LLMEngine(engine_config(args))
+    except ValueError as e:
+        raise SystemExit(f"deltaserve: error: {e}") from e
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from deltaserve.core import SamplingParams
+
+    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("deltaserve generate: no prompts given", file=sys.stderr)
+        return 2
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos)
+    engine = _make_engine(args)
+    tok = engine.tokenizer
+    if tok is None:
+        print("deltaserve generate: the model has no tokenizer", file=sys.stderr)
+        return 2
+    if args.chat:
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                         add_generation_prompt=True) for p in prompts]
+        ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    else:
+        ids = [tok.encode(p) for p in prompts]
+    try:
+        rids = [engine.add_request(i, params) for i in ids]
+    except ValueError as e:  # prompt over the context limit, bad sampling parameters
+        raise SystemExit(f"deltaserve: error: {e}") from e
+    texts = {rid: "" for rid in rids}
+    live = len(rids) == 1  # a single prompt streams to stdout as it is generated
+    while engine.has_unfinished():
+        for out in engine.step():
+            texts[out.rid] += out.new_text
+            if live:
+                print(out.new_text, end="", flush=True)
+    if live:
+        print()
+        return 0
+    for n, (prompt, rid) in enumerate(zip(prompts, rids, strict=True)):
+        print(f"=== [{n}] {prompt}\n{texts[rid]}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from deltaserve.server.api import build_app
+    from deltaserve.server.async_engine import AsyncEngine
+
+    engine = AsyncEngine(_make_engine(args))
+    try:
+        app = build_app(engine)
+        logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return _generate(args) if args.command == "generate" else _serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""OpenAI wire format: request, response and streaming-chunk models, and the error object.
+
+Requests accept the OpenAI fields plus the vLLM sampling extensions (top_k, min_p,
+repetition_penalty, stop_token_ids, ignore_eos). Fields the engine cannot honour (n > 1,
+logprobs, echo, best_of, suffix, tools, non-text content) are rejected with `InvalidRequest`,
+never silently ignored. Unknown extra fields are ignored, as the OpenAI API does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deltaserve.core import SamplingParams
+
+
+class InvalidRequest(Exception):
+    """A request the server refuses: becomes an OpenAI error object with `status`."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = (
+            message, param, status, type, code)
+
+    def to_error(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
+                                             param=self.param, code=self.code))
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions. None means "the default"."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        """Raise InvalidRequest for fields the engine cannot honour."""
+        if self.n not in (None, 1):
+            raise InvalidRequest(f"n={self.n} is not supported: deltaserve returns exactly one "
+                                 "choice per request (n must be 1)", "n")
+
+    def max_tokens_param(self) -> tuple[int | None, str]:
+        """The requested output budget and the field name it came from."""
+        return self.max_tokens, "max_tokens"
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        """SamplingParams with OpenAI defaults for unset fields; raises InvalidRequest."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        values = {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        params = SamplingParams(
+            max_tokens=max_tokens, seed=self.seed, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            **{k: v for k, v in values.items() if v is not None})
+        try:
+            params.validate()
+        except ValueError as e:
+            field = str(e).split(" ", 1)[0]
+            if field == "max_tokens":
+                field = self.max_tokens_param()[1]
+            raise InvalidRequest(str(e).replace("max_tokens", field, 1), field) from e
+        return params
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions. `prompt`: text, token ids, or a one-element list of text."""
+
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs is not None:
+            raise InvalidRequest("logprobs is not supported by deltaserve", "logprobs")
+        if self.echo:
+            raise InvalidRequest("echo is not supported by deltaserve", "echo")
+        if self.best_of not in (None, 1):
+            raise InvalidRequest("best_of is not supported: it must be 1", "best_of")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported by deltaserve", "suffix")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise InvalidRequest("prompt must not be empty", "prompt")
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) \
+                and len(self.prompt) != 1:
+            raise InvalidRequest("batched prompts are not supported: send a string, a list of "
+                                 "token ids, or a list of exactly one string", "prompt")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        """The message's text; raises InvalidRequest for non-text content parts."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise InvalidRequest(f"content part type {part.type!r} is not supported: only "
+                                     "text parts", f"messages.{index}.content")
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise InvalidRequest("messages must contain at least one message", "messages")
+        if self.logprobs or self.top_logprobs:
+            param = "logprobs" if self.logprobs else "top_logprobs"
+            raise InvalidRequest("logprobs are not supported by deltaserve", param)
+        if self.tools:
+            raise InvalidRequest("tools are not supported by deltaserve", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequest("only response_format type 'text' is supported",
+                                 "response_format")
+
+    def max_tokens_param(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template expects them (developer is sent as system)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+                for i, m in enumerate(self.messages)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Token counts; `prompt_tokens_details.cached_tokens` = prompt tokens from the prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int) -> Usage:
+        return cls(prompt_tokens=prompt, completion_tokens=completion,
+                   total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event of a streamed chat completion (the usage chunk has no choices)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "deltaserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,251 @@
+"""Completions and chat completions on top of AsyncEngine: prompt preparation, request
+validation, non-streaming collection and SSE streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from deltaserve.server.async_engine import AsyncEngine, RequestStream
+from deltaserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    InvalidRequest,
+    Usage,
+    _GenerationRequest,
+    new_id,
+)
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from deltaserve.engine.llm_engine import RequestOutput
+    from deltaserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger("deltaserve.server")
+
+
+def sse(payload: BaseModel | dict) -> str:
+    """One server-sent event carrying `payload` as JSON."""
+    data = payload if isinstance(payload, dict) else payload.model_dump(mode="json")
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def _until_disconnect(request: Request, stream: RequestStream) -> None:
+    """Abort `stream` when the client goes away (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stream.abort()
+
+
+class OpenAIServing:
+    """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    # -- preparation -------------------------------------------------------------------------
+
+    def _check_model(self, body: _GenerationRequest) -> None:
+        if body.model and body.model != self.engine.model_name:
+            raise InvalidRequest(f"The model `{body.model}` does not exist; this server serves "
+                                 f"`{self.engine.model_name}`", "model", status=404,
+                                 code="model_not_found")
+
+    def _tokenizer(self, param: str):
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequest("the model has no tokenizer: send the prompt as token ids",
+                                 param)
+        return tokenizer
+
+    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return list(prompt)
+        text = prompt if isinstance(prompt, str) else prompt[0]
+        return list(self._tokenizer("prompt").encode(text))
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        tokenizer = self._tokenizer("messages")
+        messages = body.template_messages()
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True,
+                **(body.chat_template_kwargs or {}))
+        except Exception as e:  # jinja raises TemplateError for conversations it refuses
+            raise InvalidRequest(f"the chat template rejected the messages: {e}",
+                                 "messages") from e
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def sampling_params(self, body: _GenerationRequest, prompt_ids: list[int], prompt_param: str,
+                        default_max_tokens: int | None):
+        """Check the context limit and build SamplingParams (raises InvalidRequest)."""
+        limit, n_prompt = self.engine.max_model_len, len(prompt_ids)
+        if n_prompt == 0:
+            raise InvalidRequest("the prompt must contain at least one token", prompt_param)
+        if n_prompt >= limit:
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{n_prompt} tokens (at most {limit - 1} leave room for one completion token)",
+                prompt_param, code="context_length_exceeded")
+        room = limit - n_prompt
+        max_tokens, param = body.max_tokens_param()
+        if max_tokens is None:
+            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        elif max_tokens > room:
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens, but "
+                f"{n_prompt + max_tokens} were requested ({n_prompt} in the prompt, "
+                f"{max_tokens} for the completion): "
+                f"reduce {param} to at most {room}", param, code="context_length_exceeded")
+        return body.to_sampling_params(max_tokens)
+
+    async def _start(self, rid: str, body: _GenerationRequest, prompt_ids: list[int],
+                     prompt_param: str, default_max_tokens: int | None) -> RequestStream:
+        params = self.sampling_params(body, prompt_ids, prompt_param, default_max_tokens)
+        try:
+            stream = await self.engine.add(prompt_ids, params)
+            logger.info("%s: %d prompt tokens, max_tokens %d, temperature %g%s (engine rid %d)",
+                        rid, len(prompt_ids), params.max_tokens, params.temperature,
+                        ", streaming" if body.stream else "", stream.rid)
+            return stream
+        except ValueError as e:  # the engine's own checks (vocabulary, context, params)
+            message = str(e)
+            param = message.split(" ", 1)[0]
+            if param not in type(body).model_fields:
+                param = prompt_param
+            raise InvalidRequest(message, param) from e
+
+    # -- endpoints ---------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        body.check_supported()
+        self._check_model(body)
+        rid = new_id("cmpl")
+        stream = await self._start(rid, body, self.completion_prompt(body), "prompt", 16)
+        if body.stream:
+            return self._streaming(rid, "completions", body, stream, self._completion_chunks)
+        text, last = await self._collect(rid, "completions", stream, request)
+        self._finished(rid, "completions", last)
+        return CompletionResponse(
+            id=rid, model=self.engine.model_name,
+            choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
+            usage=_usage(last))
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        body.check_supported()
+        self._check_model(body)
+        rid = new_id("chatcmpl")
+        stream = await self._start(rid, body, self.chat_prompt(body), "messages", None)
+        if body.stream:
+            return self._streaming(rid, "chat", body, stream, self._chat_chunks)
+        text, last = await self._collect(rid, "chat", stream, request)
+        self._finished(rid, "chat", last)
+        return ChatCompletionResponse(
+            id=rid, model=self.engine.model_name,
+            choices=[ChatChoice(message=AssistantMessage(content=text),
+                                finish_reason=last.finish_reason)],
+            usage=_usage(last))
+
+    # -- output --------------------------------------------------------------------------------
+
+    async def _collect(self, rid: str, endpoint: str, stream: RequestStream,
+                       request: Request) -> tuple[str, RequestOutput]:
+        """All of the request's text and its last output; aborts if the client leaves."""
+        watcher = asyncio.create_task(_until_disconnect(request, stream))
+        try:
+            parts, last = [], None
+            async for out in stream:
+                parts.append(out.new_text)
+                last = out
+        finally:
+            watcher.cancel()
+        if last is None or not last.finished:
+            self._aborted(rid, endpoint)
+            raise ClientGone()
+        return "".join(parts), last
+
+    def _streaming(self, rid: str, endpoint: str, body: _GenerationRequest,
+                   stream: RequestStream, chunks) -> StreamingResponse:
+        """SSE response: `chunks(rid, out, first)` per output, then usage, then [DONE]."""
+        model = self.engine.model_name
+        chunk_type = ChatCompletionChunk if endpoint == "chat" else CompletionResponse
+
+        async def events() -> AsyncIterator[str]:
+            last = None
+            try:
+                async for out in stream:
+                    for chunk in chunks(rid, out, first=last is None):
+                        yield sse(chunk)
+                    last = out
+                if body.include_usage and last is not None:
+                    yield sse(chunk_type(id=rid, model=model, choices=[], usage=_usage(last)))
+            except Exception as e:  # headers are sent: report in-band, then end the stream
+                logger.exception("request %s failed mid-stream", rid)
+                self.metrics.errors.labels(status="500").inc()
+                yield sse({"error": {"message": f"internal error: {e}", "type": "server_error",
+                                     "param": None, "code": None}})
+            finally:
+                stream.abort()  # no-op once finished; frees pages/slots if the client left
+                if last is None or not last.finished:
+                    self._aborted(rid, endpoint)
+            if last is not None and last.finished:
+                self._finished(rid, endpoint, last)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    def _completion_chunks(self, rid: str, out: RequestOutput,
+                           first: bool) -> list[CompletionResponse]:
+        if not (out.new_text or out.finished):
+            return []
+        return [CompletionResponse(id=rid, model=self.engine.model_name, choices=[
+            CompletionChoice(text=out.new_text, finish_reason=out.finish_reason)])]
+
+    def _chat_chunks(self, rid: str, out: RequestOutput, first: bool) -> list[ChatCompletionChunk]:
+        deltas = []
+        if first:
+            deltas.append((DeltaMessage(role="assistant", content=""), None))
+        if out.new_text:
+            deltas.append((DeltaMessage(content=out.new_text), None))
+        if out.finished:
+            deltas.append((DeltaMessage(), out.finish_reason))
+        return [ChatCompletionChunk(id=rid, model=self.engine.model_name, choices=[
+            ChatChunkChoice(delta=delta, finish_reason=reason)]) for delta, reason in deltas]
+
+    def _finished(self, rid: str, endpoint: str, out: RequestOutput) -> None:
+        self.metrics.observe_finished(endpoint, out)
+        logger.info("%s %s: %d prompt tokens (%d cached), %d completion tokens, finish %s",
+                    endpoint, rid, out.prompt_tokens, out.cached_tokens, out.completion_tokens,
+                    out.finish_reason)
+
+
+    def _aborted(self, rid: str, endpoint: str) -> None:
+        self.metrics.requests.labels(endpoint=endpoint, finish_reason="abort").inc()
+        logger.info("%s %s: client gone before the request finished; aborted", endpoint, rid)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request finished (the request was aborted)."""
+
+
+def _usage(out: RequestOutput) -> Usage:
+    return Usage.of(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+

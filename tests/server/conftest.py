@@ -1,0 +1,102 @@
+"""A live deltaserve server on loopback for the server tests.
+
+One engine and one uvicorn server per test session: uvicorn runs in a background thread on a
+socket bound to port 0 (a free port picked by the OS), and is shut down at the end.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from deltaserve.server.api import build_app
+from deltaserve.server.async_engine import AsyncEngine
+
+MAX_MODEL_LEN = 512
+
+
+class FlakyEngine:
+    """The engine under test, with a switch that makes the next `step()` raise (tests the 500
+    path without breaking the real engine: the failure happens before its step runs)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.fail_next_step = False
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def step(self):
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("injected step failure")
+        return self._engine.step()
+
+
+def make_engine():
+    from fake_engine import FakeEngine
+
+    return FakeEngine(max_model_len=MAX_MODEL_LEN)
+
+
+class LiveServer:
+    """uvicorn serving `app` from a background thread on a free loopback port."""
+
+    def __init__(self, app) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="uvicorn-test", daemon=True)
+
+    def start(self, timeout: float = 20.0) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            assert self.thread.is_alive(), "uvicorn exited during startup"
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+        assert not self.thread.is_alive(), "uvicorn did not shut down"
+
+
+@dataclass
+class Served:
+    base_url: str
+    engine: AsyncEngine
+    flaky: FlakyEngine
+    model: str
+
+
+@pytest.fixture(scope="session")
+def served() -> Iterator[Served]:
+    flaky = FlakyEngine(make_engine())
+    engine = AsyncEngine(flaky)
+    server = LiveServer(build_app(engine))
+    server.start()
+    try:
+        yield Served(server.base_url, engine, flaky, engine.model_name)
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+@pytest.fixture
+def client(served: Served) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=served.base_url, timeout=30) as c:
+        yield c
