@@ -6,11 +6,15 @@ socket bound to port 0 (a free port picked by the OS), and is shut down at the e
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
 
 import httpx
 import pytest
@@ -40,7 +44,24 @@ class FlakyEngine:
         return self._engine.step()
 
 
-def make_engine():
+def make_tiny_model(folder: Path) -> Path:
+    """A tiny random qwen3_5_text checkpoint that speaks the default model's tokenizer."""
+    from deltaserve.model.testing import make_tiny_checkpoint
+
+    tokenizer_files = resources.files("deltaserve.default_model") / "files"
+    vocab = json.loads((tokenizer_files / "tokenizer.json").read_text())["model"]["vocab"]
+    path = make_tiny_checkpoint(folder, "qwen3_5_text", seed=0, vocab_size=len(vocab))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(str(tokenizer_files / name), path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("server") / "tiny")
+
+
+def make_engine(model: Path):
     from fake_engine import FakeEngine
 
     return FakeEngine(max_model_len=MAX_MODEL_LEN)
@@ -84,8 +105,8 @@ class Served:
 
 
 @pytest.fixture(scope="session")
-def served() -> Iterator[Served]:
-    flaky = FlakyEngine(make_engine())
+def served(tiny_model: Path) -> Iterator[Served]:
+    flaky = FlakyEngine(make_engine(tiny_model))
     engine = AsyncEngine(flaky)
     server = LiveServer(build_app(engine))
     server.start()

@@ -69,6 +69,8 @@ class FakeEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the context length "
                              f"is {self.max_model_len}")
+        if any(t < 0 or t >= len(self.tokenizer) for t in prompt_ids):
+            raise ValueError("prompt token ids must be integers in the vocabulary")
         cached = max([len(k) for k in self._cached
                       if len(k) < len(prompt_ids) and tuple(prompt_ids[:len(k)]) == k],
                      default=0)

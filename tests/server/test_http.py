@@ -143,6 +143,11 @@ def test_a_prompt_over_the_context_limit_is_a_400_naming_the_field(client):
     assert_openai_error(client.post("/v1/completions", json=budget), 400, "max_tokens")
 
 
+def test_token_ids_outside_the_vocabulary_are_a_400(client):
+    r = client.post("/v1/completions", json={"prompt": [1, 10**9], "max_tokens": 2})
+    assert "vocab" in assert_openai_error(r, 400, "prompt")["message"]
+
+
 def test_bad_sampling_parameters_are_a_400_naming_the_field(client):
     cases = [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
              ({"top_k": -5}, "top_k"), ({"max_tokens": 0}, "max_tokens"),

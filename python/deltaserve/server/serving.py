@@ -83,6 +83,9 @@ class OpenAIServing:
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         tokenizer = self._tokenizer("messages")
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequest("the model's tokenizer has no chat template: use "
+                                 "/v1/completions", "messages")
         messages = body.template_messages()
         try:
             text = tokenizer.apply_chat_template(

@@ -1,0 +1,110 @@
+"""AsyncEngine: the loop thread idles without spinning, aborts free requests, errors surface,
+shutdown stops the thread and fails what is in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from conftest import MAX_MODEL_LEN, make_engine
+from deltaserve.core import SamplingParams
+from deltaserve.server.async_engine import AsyncEngine, EngineDeadError
+
+
+class CountingEngine:
+    """Counts the loop thread's calls into the engine."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.calls = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def step(self):
+        self.calls += 1
+        return self._engine.step()
+
+    def has_unfinished(self):
+        self.calls += 1
+        return self._engine.has_unfinished()
+
+
+@pytest.fixture(scope="module")
+def counting(tiny_model):
+    engine = CountingEngine(make_engine(tiny_model))
+    async_engine = AsyncEngine(engine)
+    yield engine, async_engine
+    async_engine.shutdown()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def prompt(engine) -> list[int]:
+    return engine.tokenizer.encode("The loop thread")
+
+
+def test_generate_yields_until_finished_then_the_thread_sleeps(counting):
+    engine, async_engine = counting
+
+    async def run():
+        return [out async for out in async_engine.generate(prompt(engine), greedy(4))]
+
+    outs = asyncio.run(run())
+    assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 4
+    time.sleep(0.05)
+    idle_calls = engine.calls
+    time.sleep(0.3)
+    assert engine.calls == idle_calls, "the loop thread polls the engine while idle"
+
+
+def test_leaving_the_iteration_early_aborts_the_request(counting):
+    engine, async_engine = counting
+
+    async def run():
+        async for out in async_engine.generate(prompt(engine), greedy(MAX_MODEL_LEN - 32)):
+            assert not out.finished
+            break
+        for _ in range(200):
+            if await async_engine.call(lambda e: not e.has_unfinished()):
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert asyncio.run(run()), "the abandoned request is still in the engine"
+    assert async_engine.num_inflight == 0
+
+
+def test_add_request_errors_surface_as_value_error(counting):
+    engine, async_engine = counting
+
+    async def run():
+        await async_engine.add([1] * MAX_MODEL_LEN, greedy(1))
+
+    with pytest.raises(ValueError, match="context"):
+        asyncio.run(run())
+    assert async_engine.num_inflight == 0
+
+
+def test_shutdown_fails_requests_in_flight_and_refuses_new_ones(tiny_model):
+    engine = make_engine(tiny_model)
+    async_engine = AsyncEngine(engine)
+
+    async def run():
+        stream = await async_engine.add(prompt(engine), greedy(MAX_MODEL_LEN - 32))
+        got = []
+        with pytest.raises(EngineDeadError):
+            async for out in stream:
+                got.append(out)
+                if len(got) == 2:
+                    await asyncio.to_thread(async_engine.shutdown)
+        with pytest.raises(EngineDeadError):
+            await async_engine.add(prompt(engine), greedy(1))
+
+    asyncio.run(run())
+    assert not async_engine.alive
+    assert not engine.has_unfinished()

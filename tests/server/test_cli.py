@@ -1,0 +1,93 @@
+"""The `deltaserve` command: engine flags map 1:1 onto EngineConfig; generate prints text;
+serve answers over HTTP and stops on SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from deltaserve.config import EngineConfig
+from deltaserve.server.cli import add_engine_flags, build_parser, engine_config, main
+
+
+def parse(*argv: str) -> EngineConfig:
+    return engine_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_no_flags_give_the_engine_defaults_and_the_embedded_model():
+    assert parse() == EngineConfig()
+    assert parse().model is None
+
+
+def test_every_engine_flag_sets_its_config_field():
+    cfg = parse("--model", "/m", "--dtype", "float32", "--device", "cpu", "--page-size", "64",
+                "--chunk-size", "128", "--max-running-reqs", "3", "--max-model-len", "1000",
+                "--num-pages", "99", "--kv-memory-gb", "0.5", "--num-snapshot-slots", "7",
+                "--disable-prefix-cache", "--speculative-algorithm", "ngram",
+                "--speculative-num-steps", "3", "--disable-cuda-graphs", "--log-every", "10",
+                "--seed", "5")
+    assert cfg == EngineConfig(
+        model="/m", dtype="float32", device="cpu", page_size=64, chunk_size=128,
+        max_running_reqs=3, max_model_len=1000, num_pages=99, kv_memory_gb=0.5,
+        num_snapshot_slots=7, enable_prefix_cache=False, speculative_algorithm="ngram",
+        speculative_num_steps=3, decode_rows_per_req=4, cuda_graphs=False, log_every=10, seed=5)
+
+
+def test_every_config_field_has_a_flag():
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    dests = {a.dest for a in parser._actions}
+    missing = {f.name for f in dataclasses.fields(EngineConfig)} - dests - {"decode_rows_per_req"}
+    assert not missing
+
+
+def test_a_bad_flag_value_exits_with_a_clear_message():
+    with pytest.raises(ValueError, match="dtype"):
+        parse("--dtype", "int3")
+
+
+def test_generate_prints_a_completion(tiny_model, capsys):
+    code = main(["--log-level", "WARNING", "generate", "--model", str(tiny_model), "--device",
+                 "cpu", "--max-tokens", "4", "--ignore-eos", "Hello there"])
+    assert code == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_generate_with_chat_prints_one_answer_per_prompt(tiny_model, capsys):
+    code = main(["--log-level", "WARNING", "generate", "--model", str(tiny_model), "--device",
+                 "cpu", "--max-tokens", "3", "--ignore-eos", "--chat", "Hi", "Bye"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "=== [0] Hi" in out and "=== [1] Bye" in out
+
+
+@pytest.mark.slow
+def test_serve_answers_on_a_free_port_and_stops_on_sigint(tiny_model):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltaserve.server.cli", "serve", "--port", "0", "--model",
+         str(tiny_model), "--device", "cpu", "--max-model-len", "256", "--num-pages", "64"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        deadline, port = time.monotonic() + 60, None
+        while port is None:
+            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
+            match = re.search(r"running on http://127\.0\.0\.1:(\d+)", proc.stderr.readline())
+            port = match and int(match.group(1))
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(base + "/health").json() == {"status": "ok"}
+        r = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0

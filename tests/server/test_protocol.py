@@ -1,0 +1,87 @@
+"""Request models: OpenAI defaults, field mapping onto SamplingParams, unsupported fields."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidRequest,
+    Usage,
+)
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], **fields)
+
+
+def test_unset_fields_take_the_openai_defaults():
+    params = CompletionRequest(prompt="x").to_sampling_params(16)
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (1.0, 1.0, -1, 16)
+    assert params.stop == [] and params.seed is None and not params.ignore_eos
+
+
+def test_vllm_extensions_and_a_single_stop_string_map_onto_sampling_params():
+    body = CompletionRequest(prompt="x", stop="END", top_k=5, min_p=0.1,
+                             repetition_penalty=1.2, stop_token_ids=[7], ignore_eos=True, seed=3)
+    params = body.to_sampling_params(4)
+    assert params.stop == ["END"] and params.top_k == 5 and params.min_p == 0.1
+    assert params.repetition_penalty == 1.2 and params.stop_token_ids == [7]
+    assert params.ignore_eos and params.seed == 3
+
+
+def test_max_completion_tokens_wins_over_max_tokens_and_is_named_in_errors():
+    body = chat(max_tokens=5, max_completion_tokens=0)
+    assert body.max_tokens_param() == (0, "max_completion_tokens")
+    with pytest.raises(InvalidRequest) as e:
+        body.to_sampling_params(0)
+    assert e.value.param == "max_completion_tokens"
+    assert "max_completion_tokens" in e.value.message
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+    ({"min_p": 2.0}, "min_p"), ({"frequency_penalty": -3.0}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"stop": ["ok", ""]}, "stop"),
+])
+def test_a_bad_sampling_field_is_named_as_the_param(fields, param):
+    with pytest.raises(InvalidRequest) as e:
+        CompletionRequest(prompt="x", **fields).to_sampling_params(16)
+    assert e.value.param == param and e.value.status == 400
+
+
+@pytest.mark.parametrize("body,param", [
+    (CompletionRequest(prompt="x", n=3), "n"),
+    (CompletionRequest(prompt="x", logprobs=0), "logprobs"),
+    (CompletionRequest(prompt="x", echo=True), "echo"),
+    (CompletionRequest(prompt=["a", "b"]), "prompt"),
+    (CompletionRequest(prompt=[]), "prompt"),
+    (chat(logprobs=True), "logprobs"),
+    (chat(tools=[{"type": "function"}]), "tools"),
+    (ChatCompletionRequest(messages=[]), "messages"),
+])
+def test_unsupported_fields_are_refused_not_ignored(body, param):
+    with pytest.raises(InvalidRequest) as e:
+        body.check_supported()
+    assert e.value.param == param
+
+
+def test_chat_messages_become_template_messages():
+    body = ChatCompletionRequest(messages=[
+        {"role": "developer", "content": "Be terse."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ])
+    assert body.template_messages() == [{"role": "system", "content": "Be terse."},
+                                        {"role": "user", "content": "ab"}]
+    image = ChatCompletionRequest(messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(InvalidRequest) as e:
+        image.template_messages()
+    assert e.value.param == "messages.0.content"
+
+
+def test_usage_reports_cached_tokens_in_the_openai_field():
+    usage = Usage.of(prompt=200, completion=5, cached=128).model_dump()
+    assert usage == {"prompt_tokens": 200, "completion_tokens": 5, "total_tokens": 205,
+                     "prompt_tokens_details": {"cached_tokens": 128}}
