@@ -1,0 +1,24 @@
+"""KV page pool, GDN state pool, page-granular radix tree and the hybrid prefix cache."""
+
+from deltaserve.cache.page_pool import PagePool
+from deltaserve.cache.prefix_cache import (
+    CacheStats,
+    EvictResult,
+    InsertResult,
+    PrefixCache,
+    PrefixMatch,
+)
+from deltaserve.cache.radix import RadixNode, RadixTree
+from deltaserve.cache.state_pool import GDNStatePool
+
+__all__ = [
+    "CacheStats",
+    "EvictResult",
+    "GDNStatePool",
+    "InsertResult",
+    "PagePool",
+    "PrefixCache",
+    "PrefixMatch",
+    "RadixNode",
+    "RadixTree",
+]

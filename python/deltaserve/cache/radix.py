@@ -78,6 +78,8 @@ class RadixTree:
     def _common(self, edge: list[int], keys: list[int], pos: int) -> int:
         """Length of the common prefix of `edge` and `keys[pos:]`, rounded down to pages."""
         n = min(len(edge), len(keys) - pos)
+        if edge[:n] == keys[pos:pos + n]:  # the common case, compared in C
+            return n - n % self.page_size
         i = 0
         while i < n and edge[i] == keys[pos + i]:
             i += 1
