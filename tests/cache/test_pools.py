@@ -113,3 +113,17 @@ def test_copy_and_zero_refuse_slots_that_are_not_allocated():
         pool.copy(a, 3)
     with pytest.raises(AssertionError):
         pool.zero(3)
+
+
+@pytest.mark.gpu
+def test_copy_and_zero_work_on_a_cuda_pool():
+    pool = GDNStatePool(2, 4, 3, 4, 5, 6, 4, "cuda", torch.bfloat16)
+    src, dst = pool.allocate(), pool.allocate()
+    pool.recurrent.normal_()
+    pool.conv.normal_()
+    pool.copy(src, dst)
+    torch.cuda.synchronize()
+    assert torch.equal(pool.recurrent[:, dst], pool.recurrent[:, src])
+    assert torch.equal(pool.conv[:, dst], pool.conv[:, src])
+    pool.zero(src)
+    assert not pool.recurrent[:, src].any() and pool.recurrent[:, dst].any()

@@ -267,3 +267,13 @@ def test_stats_count_pages_snapshots_nodes_and_locked_nodes():
     put(cache, ids, [64, 128])
     cache.lock(cache.match(ids[:100]).node)
     assert tuple(cache.stats()) == (8, 2, 2, 1)
+
+
+def test_a_slot_the_tree_holds_at_another_depth_is_refused_before_anything_changes():
+    cache = make_cache(16)
+    ids = tokens(128, seed=27)
+    pages, snaps, _ = put(cache, ids, [64])
+    other = tokens(64, seed=28)
+    with pytest.raises(AssertionError, match="another depth"):
+        cache.insert(other, cache.page_pool.allocate(4), {64: snaps[64]})
+    assert tuple(cache.stats()) == (8, 1, 2, 0)

@@ -122,6 +122,10 @@ class PrefixCache:
                 f"(0, {len(keys)}]")
             assert self.state_pool.is_allocated(slot), f"snapshot slot {slot} not allocated"
         assert len(set(snapshots.values())) == len(snapshots), "one slot for two depths"
+        held = {n.depth: n.snapshot_slot for n in self.tree.match_path(keys)}
+        for depth, slot in snapshots.items():  # checked before anything changes
+            assert slot not in self.tree.slots or held.get(depth) == slot, (
+                f"slot {slot} is already the tree's snapshot at another depth")
         _, freed = self.tree.insert(keys, pages, self.clock())
         unused = []
         for depth in sorted(snapshots):
