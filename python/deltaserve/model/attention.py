@@ -1,0 +1,53 @@
+"""Gated full attention of Qwen3.5 / Qwen3-Next (transformers' `Qwen3_5Attention`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from deltaserve.model.norm import RMSNorm
+from deltaserve.model.rope import apply_rope
+
+if TYPE_CHECKING:
+    from deltaserve.core import ForwardContext
+    from deltaserve.model.config import ModelConfig
+
+
+class GatedAttention(nn.Module):
+    """q_proj emits, per head, [query (D) | gate (D)]; q/k get a zero-centred RMSNorm over the
+    head dim, then partial RoPE; the backend attends (softmax scale `scaling` = D^-1/2);
+    the output is multiplied by sigmoid(gate) before o_proj.
+
+    `layer_id` is what the layer passes to `ctx.attn.forward` (the decoder-layer index; MTP
+    layers use num_hidden_layers + step).
+    """
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d = config.head_dim
+        self.scaling = d ** -0.5
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * d * 2, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; cos/sin [T, rotary_dim] from `RotaryEmbedding`."""
+        t, d = x.shape[0], self.head_dim
+        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d))
+        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = ctx.attn.forward(self.layer_id, q, k, v)
+        o = o.reshape(t, self.num_heads * d) * torch.sigmoid(gate.reshape(t, self.num_heads * d))
+        return self.o_proj(o)

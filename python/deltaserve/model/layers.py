@@ -1,0 +1,61 @@
+"""Building blocks of the hybrid decoder; `DecoderLayer` composes them.
+
+The blocks live in their own files: norm.py (RMSNorm, GatedRMSNorm), rope.py (partial RoPE),
+attention.py (GatedAttention), gdn.py (GatedDeltaNet), mlp.py (MLP, SparseMoE).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from deltaserve.model.attention import GatedAttention
+from deltaserve.model.config import LINEAR_ATTENTION
+from deltaserve.model.gdn import GatedDeltaNet
+from deltaserve.model.mlp import MLP, SparseMoE
+from deltaserve.model.norm import GatedRMSNorm, RMSNorm
+from deltaserve.model.rope import RotaryEmbedding, apply_rope
+
+if TYPE_CHECKING:
+    from deltaserve.core import ForwardContext
+    from deltaserve.model.config import ModelConfig
+
+__all__ = ["DecoderLayer", "GatedAttention", "GatedDeltaNet", "GatedRMSNorm", "MLP", "RMSNorm",
+           "RotaryEmbedding", "SparseMoE", "apply_rope"]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x += mixer(norm(x)); x += mlp(norm(x)).
+
+    The mixer is `linear_attn` (GatedDeltaNet) or `self_attn` (GatedAttention); the MLP is dense
+    or sparse MoE per `config.is_moe_layer(mlp_index)`. transformers' `Qwen3NextDecoderLayer`.
+    """
+
+    def __init__(self, config: ModelConfig, layer_type: str, attn_layer_id: int,
+                 gdn_id: int | None, mlp_index: int) -> None:
+        super().__init__()
+        self.is_gdn = layer_type == LINEAR_ATTENTION
+        if self.is_gdn:
+            assert gdn_id is not None
+            self.linear_attn = GatedDeltaNet(config, gdn_id)
+        else:
+            self.self_attn = GatedAttention(config, attn_layer_id)
+        if config.is_moe_layer(mlp_index):
+            self.mlp: nn.Module = SparseMoE(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden] (new tensor; x is not modified)."""
+        h = self.input_layernorm(x)
+        if self.is_gdn:
+            h = self.linear_attn(h, ctx)
+        else:
+            h = self.self_attn(h, cos, sin, ctx)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
