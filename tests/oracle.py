@@ -40,11 +40,14 @@ def reference_model(path: str):
 @torch.inference_mode()
 def reference_greedy(path: str, prompt: list[int], max_new_tokens: int) -> Reference:
     """Greedy continuation by transformers (fp32, CPU), with the top-2 gap of every step."""
+    from deltaserve.model.testing import transformers_torch_kernels
+
     model = reference_model(path)
     ids = torch.tensor([prompt])
-    out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                         do_sample=False, output_logits=True, return_dict_in_generate=True,
-                         pad_token_id=0, eos_token_id=None)
+    with transformers_torch_kernels():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
     tokens = out.sequences[0, len(prompt):].tolist()
     gaps = []
     for step_logits in out.logits:

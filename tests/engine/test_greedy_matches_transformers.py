@@ -18,7 +18,7 @@ PROMPT_LENS = (1, 7, 70, 150)
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     return {kind: str(make_tiny_checkpoint(root / kind, kind, seed=1))
-            for kind in ("qwen3_5_text", "qwen3_next", "qwen3_5_moe")}
+            for kind in ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")}
 
 
 def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -45,7 +45,7 @@ def test_a_mixed_batch_of_dense_qwen3_5_matches_transformers(checkpoints, chunk_
         assert_same_greedy(ours, ref, f"len {len(prompt)} chunk {chunk_size} page {page_size}")
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe_text"])
 @pytest.mark.parametrize("chunk_size,page_size", [(16, 16), (1000, 1)])
 def test_qwen3_next_and_moe_match_transformers(checkpoints, kind, chunk_size, page_size):
     path = checkpoints[kind]

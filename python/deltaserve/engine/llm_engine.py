@@ -87,8 +87,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(path)
         mc = self.model.config
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
-        eos = mc.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self._build_caches()
@@ -102,7 +101,7 @@ class LLMEngine:
 
     def _build_caches(self) -> None:
         cfg, mc = self.cfg, self.model.config
-        attn_layers = list(self.model.attention_layer_ids)
+        attn_layers = list(mc.attention_layer_ids)
         if cfg.num_pages is not None:
             num_pages = cfg.num_pages
         else:

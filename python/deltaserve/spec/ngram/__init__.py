@@ -1,0 +1,1 @@
+"""Prompt-lookup (n-gram) drafts: no weights."""

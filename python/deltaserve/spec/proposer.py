@@ -1,0 +1,36 @@
+"""The Proposer base: makes up to k drafts per request; every hook defaults to a no-op."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from deltaserve.core import Batch, Req
+
+
+class Proposer:
+    """A draft method. Subclasses implement `propose`; the hooks let a method watch the
+    target's forwards (feature sink), its prefill, each verify's outcome, and finished requests.
+
+    `num_steps` is k, the most drafts `propose` may return per request.
+    """
+
+    num_steps: int = 0
+    wants_hidden: bool = False  # set: the target hands its final hidden states to the hooks
+
+    def propose(self, reqs: list[Req]) -> list[list[int]]:
+        """Up to `num_steps` draft tokens per request, continuing `req.all_ids`. Mutates
+        nothing the scheduler owns."""
+        raise NotImplementedError
+
+    def on_prefill(self, batch: Batch, hidden: torch.Tensor | None) -> None:
+        """After a prefill forward; `hidden` [T, hidden] when `wants_hidden`."""
+
+    def on_verify(self, batch: Batch, hidden: torch.Tensor | None,
+                  committed: list[int]) -> None:
+        """After a verify step: committed[i] rows of request i were kept (1..k+1)."""
+
+    def release(self, req: Req) -> None:
+        """`req` finished or was aborted: drop whatever was kept for it."""
