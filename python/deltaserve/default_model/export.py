@@ -1,0 +1,114 @@
+"""Write a trained default model as a Hugging Face folder, its model card and loss curve."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from deltaserve.default_model.build import TOKENIZER_FILES
+from deltaserve.default_model.corpus import LICENSE
+from deltaserve.default_model.training import TrainModel
+
+
+def save_hf_folder(model: TrainModel, out_dir: str | os.PathLike, tokenizer_dir: str) -> int:
+    """Save config.json, model.safetensors (bf16, with mtp.* keys) and the tokenizer files.
+
+    Returns the safetensors file size in bytes. Does not modify `model` (saves copies).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    copy.deepcopy(model.lm).to("cpu", torch.bfloat16).save_pretrained(out)
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    mtp_state = model.mtp.state_dict()
+    tensors.update({f"mtp.{k}": v.detach().to("cpu", torch.bfloat16) for k, v in mtp_state.items()})
+    save_file(dict(sorted(tensors.items())), path, metadata={"format": "pt"})
+    path.chmod(0o644)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(Path(tokenizer_dir) / name, out / name)
+    return path.stat().st_size
+
+
+def model_card(info: dict) -> str:
+    """README.md text: corpus, license, size, training command and held-out results.
+
+    info keys: corpus (manifest), params (model, mtp), size_bytes, command, steps, tokens,
+    seconds, device, final (evaluate() result), config (the architecture summary), curve (a
+    sentence naming the loss plot and log files).
+    """
+    c, f, p = info["corpus"], info["final"], info["params"]
+    train, held = c["splits"]["train"], c["splits"]["heldout"]
+    mtp = ", ".join(f"step {i + 1}: {x:.3f}" for i, x in enumerate(f["mtp_loss"]))
+    return f"""---
+license: apache-2.0
+library_name: transformers
+tags: [qwen3_5_text, gated-deltanet, hybrid, mtp, deltaserve]
+---
+# deltaserve default model
+
+A small Qwen3.5-style hybrid language model (`qwen3_5_text`): {info["config"]}.
+It is deltaserve's built-in default model, trained from scratch on Python source code.
+It completes Python code; it is not an assistant and knows nothing beyond the corpus.
+
+- Parameters: {p["model"] / 1e6:.2f} M (embeddings tied to the lm_head) + {p["mtp"] / 1e6:.2f} M
+  in the MTP head; {info["size_bytes"] / 1e6:.1f} MB of bf16 safetensors.
+- Tokenizer: byte-level BPE, vocabulary 8192 (`tokenizers`), ChatML chat template;
+  EOS `<|endoftext|>` (id 0), which also separates the training documents.
+
+## Corpus and license
+The Python {c["python_version"]} standard library source and its tests (`*.py`, UTF-8),
+{train["n_files"]} files / {train["n_bytes"] / 1e6:.1f} MB for training and {held["n_files"]}
+files / {held["n_bytes"] / 1e6:.2f} MB held out (by a hash of the file path,
+{c["held_out_per_10k"] / 100:g}%). Corpus SHA-256 `{c["sha256"]}`.
+The corpus is licensed under the {LICENSE}; these weights are released under Apache-2.0.
+
+## Training
+{info["steps"]} steps, {info["tokens"] / 1e6:.1f} M tokens, {info["seconds"] / 60:.1f} min on
+{info["device"]}; next-token cross-entropy plus MTP cross-entropy (the MTP head predicts token
+i+2 from embed(t_(i+1)) and the final hidden state h_i, and recursively beyond). Command:
+
+    {info["command"]}
+
+## Held-out results ({f["tokens"]} tokens)
+- next-token loss {f["loss"]:.4f} nats/token, perplexity {f["ppl"]:.2f}
+- MTP loss: {mtp}
+- first MTP draft agrees with the model's own greedy token {100 * f["draft1_agreement"]:.1f}%
+  of the time (teacher-forced)
+
+{info["curve"]}
+"""
+
+
+def plot_losses(log: dict, path: str | os.PathLike) -> bool:
+    """Save the training/held-out loss curve as a PNG; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    steps = [r["step"] for r in log["train"]]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    ax.plot(steps, [r["main"] for r in log["train"]], lw=0.8, label="train next-token")
+    if log["train"] and log["train"][0]["mtp"]:
+        ax.plot(steps, [r["mtp"][0] for r in log["train"]], lw=0.8, label="train MTP step 1")
+    if log["eval"]:
+        ev = log["eval"]
+        ax.plot([e["step"] for e in ev], [e["loss"] for e in ev], "o-", label="held-out next-token")
+        ax.plot([e["step"] for e in ev], [e["mtp_loss"][0] for e in ev], "s--",
+                label="held-out MTP step 1")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title("deltaserve default model")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True

@@ -1,0 +1,50 @@
+"""Make `transformers`' GDN models run on the CPU when fla-core is installed.
+
+transformers binds its gated-delta-rule functions at import time: when the `fla` package is
+importable, `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule` in the Qwen3.5 /
+Qwen3-Next modeling modules become fla's Triton kernels, with no device check, so the same
+model fails on CPU tensors ("0 active drivers"). The original pure-torch functions stay
+reachable as the wrappers' `__wrapped__`. `torch_gdn_reference()` swaps them in for the
+duration of a `with` block and restores the bound ones afterwards.
+
+Used by the CPU tests and by the training script on CPU. On CUDA leave the fla kernels alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_MODULES = (
+    "transformers.models.qwen3_5.modeling_qwen3_5",
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+    "transformers.models.qwen3_next.modeling_qwen3_next",
+)
+_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+
+
+@contextmanager
+def torch_gdn_reference() -> Iterator[None]:
+    """Within the block, transformers' GDN layers use their pure-torch recurrence.
+
+    Mutates the module globals named in `_FUNCTIONS` of the modeling modules that exist and
+    restores them on exit (also on error). Not thread-safe: do not nest across threads.
+    """
+    saved: list[tuple[object, str, object]] = []
+    try:
+        for mod_name in _MODULES:
+            try:
+                mod = importlib.import_module(mod_name)
+            except ImportError:
+                continue
+            for fn_name in _FUNCTIONS:
+                bound = getattr(mod, fn_name, None)
+                original = getattr(bound, "__wrapped__", None)
+                if original is not None:
+                    saved.append((mod, fn_name, bound))
+                    setattr(mod, fn_name, original)
+        yield
+    finally:
+        for mod, fn_name, bound in reversed(saved):
+            setattr(mod, fn_name, bound)

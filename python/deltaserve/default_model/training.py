@@ -1,0 +1,195 @@
+"""Training pieces for the default model: token streams, batches, the loss, evaluation.
+
+Used by scripts/train_default_model.py and its tests. The model is transformers'
+`Qwen3_5ForCausalLM` (fla-core's chunked gated-delta-rule kernels on CUDA, its pure-torch
+reference on CPU) plus an `MTPHead`; the loss is next-token cross-entropy plus `mtp_weight`
+times the mean cross-entropy of `mtp_steps` recursive MTP drafting steps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from torch import nn
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+from deltaserve.default_model.corpus import iter_split
+from deltaserve.default_model.mtp import MTPHead, greedy_first_draft_agreement, mtp_losses
+from deltaserve.default_model.tokenizer import EOS_TOKEN
+
+
+def tokenize_split(tokenizer_json: str | os.PathLike, corpus_dir: str, split: str) -> torch.Tensor:
+    """The split's documents encoded and concatenated, each followed by <|endoftext|>.
+
+    Returns a 1-D int32 tensor (token ids), in corpus order.
+    """
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    eos = tok.token_to_id(EOS_TOKEN)
+    texts = [doc.text for doc in iter_split(corpus_dir, split)]
+    ids: list[int] = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def train_batches(
+    stream: torch.Tensor, batch_size: int, seq_len: int, seed: int
+) -> Iterator[torch.Tensor]:
+    """Endless [batch_size, seq_len] int64 batches of windows of the token stream.
+
+    Each epoch cuts the stream into non-overlapping windows of seq_len tokens, starting at an
+    offset (0 in epoch 0, then drawn in [0, seq_len)) so later epochs see other cut points, and
+    visits every window once in an order drawn from a generator seeded with (seed, epoch).
+    """
+    if (stream.numel() - seq_len) // seq_len < batch_size:
+        raise ValueError(f"{stream.numel()} tokens are too few for batches of {batch_size} x "
+                         f"{seq_len}")
+    epoch = 0
+    while True:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        offset = int(torch.randint(seq_len, (1,), generator=gen)) if epoch else 0
+        n_windows = (stream.numel() - offset) // seq_len
+        windows = stream[offset : offset + n_windows * seq_len].view(n_windows, seq_len)
+        order = torch.randperm(n_windows, generator=gen)
+        for i in range(0, n_windows - batch_size + 1, batch_size):
+            yield windows[order[i : i + batch_size]].long()
+        epoch += 1
+
+
+def lr_at(step: int, max_steps: int, lr: float, warmup: int, min_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to `min_ratio * lr` at max_steps."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class TrainModel(nn.Module):
+    """The target model and its MTP head, trained together."""
+
+    def __init__(self, config: Qwen3_5TextConfig):
+        super().__init__()
+        self.lm = Qwen3_5ForCausalLM(config)
+        self.mtp = MTPHead(self.lm.config)
+        self.mtp.apply(self.lm._init_weights)  # same initialisation as the target's layers
+
+    def forward(self, input_ids: torch.Tensor, mtp_steps: int) -> tuple[torch.Tensor, list]:
+        """(next-token loss, [loss of MTP step d for d = 1..mtp_steps]) for [B, T] ids."""
+        hidden = self.lm.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        logits = self.lm.lm_head(hidden[:, :-1]).float()
+        main = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
+        return main, mtp_losses(self.lm, self.mtp, input_ids, hidden, mtp_steps)
+
+    def param_counts(self) -> dict[str, int]:
+        """Parameters of the target model (tied embedding once) and of the MTP head."""
+        return {
+            "model": sum(p.numel() for p in self.lm.parameters()),
+            "mtp": sum(p.numel() for p in self.mtp.parameters()),
+        }
+
+
+def make_optimizer(model: TrainModel, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW; matrices (and the embedding) decay, norms and the GDN gate vectors do not."""
+    decay, no_decay = [], []
+    for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Losses of one optimiser step (floats, nats per token) and the gradient norm."""
+
+    loss: float
+    main: float
+    mtp: list[float]
+    grad_norm: float
+
+
+def train_step(
+    model: TrainModel,
+    opt: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    *,
+    lr: float,
+    mtp_steps: int,
+    mtp_weight: float,
+    grad_clip: float,
+    autocast_dtype: torch.dtype | None,
+) -> StepResult:
+    """One optimiser step on `batch` [B, T] (already on the model's device); sets lr first."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    device_type = batch.device.type
+    with torch.autocast(device_type, dtype=autocast_dtype or torch.float32,
+                        enabled=autocast_dtype is not None):
+        main, mtps = model(batch, mtp_steps)
+        loss = main + mtp_weight * torch.stack(mtps).mean() if mtps else main
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    return StepResult(loss.item(), main.item(), [m.item() for m in mtps], grad_norm.item())
+
+
+@torch.no_grad()
+def evaluate(
+    model: TrainModel,
+    stream: torch.Tensor,
+    *,
+    seq_len: int,
+    batch_size: int,
+    mtp_steps: int,
+    autocast_dtype: torch.dtype | None,
+    max_tokens: int = 0,
+) -> dict:
+    """Held-out metrics over non-overlapping seq_len windows of `stream` (all, or max_tokens).
+
+    Returns loss (mean next-token cross-entropy, nats), ppl = exp(loss), mtp_loss (per step)
+    and draft1_agreement: the fraction of positions where the first MTP draft's argmax equals
+    the target's argmax (teacher-forced greedy acceptance rate of draft 1).
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    n_windows = (stream.numel() - 1) // seq_len
+    if n_windows < 1:
+        raise ValueError(f"{stream.numel()} held-out tokens: fewer than seq_len + 1")
+    if max_tokens:
+        n_windows = min(n_windows, max(1, max_tokens // seq_len))
+    windows = stream[: n_windows * seq_len].view(n_windows, seq_len).long()
+    tot_main, tot_mtp, agree, rows, n = 0.0, [0.0] * mtp_steps, 0, 0, 0
+    for i in range(0, n_windows, batch_size):
+        batch = windows[i : i + batch_size].to(device)
+        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
+                            enabled=autocast_dtype is not None):
+            hidden = model.lm.model(input_ids=batch, use_cache=False).last_hidden_state
+            logits = model.lm.lm_head(hidden).float()
+            main = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                   batch[:, 1:].reshape(-1))
+            mtps = mtp_losses(model.lm, model.mtp, batch, hidden, mtp_steps)
+            a, r = greedy_first_draft_agreement(model.lm, model.mtp, batch, hidden, logits)
+        w = batch.shape[0]
+        tot_main += main.item() * w
+        tot_mtp = [t + m.item() * w for t, m in zip(tot_mtp, mtps, strict=True)]
+        agree, rows, n = agree + a, rows + r, n + w
+    model.train(was_training)
+    loss = tot_main / n
+    return {
+        "loss": loss,
+        "ppl": math.exp(loss),
+        "mtp_loss": [t / n for t in tot_mtp],
+        "draft1_agreement": agree / rows,
+        "tokens": n * (seq_len - 1),
+    }

@@ -1,0 +1,175 @@
+"""Train deltaserve's default model: a ~12 M parameter Qwen3.5-style hybrid (3 GDN : 1 attention)
+with one MTP layer, on the Python stdlib corpus, next-token + MTP losses.
+
+    python scripts/train_default_model.py --out build/default_model          # one H200
+    python scripts/train_default_model.py --max-steps 5 --batch-size 2 --seq-len 128 \
+        --eval-tokens 2048 --out /tmp/dm-smoke                                # CPU smoke run
+
+Writes to --out: a Hugging Face folder (config.json, model.safetensors with mtp.* keys,
+tokenizer files, README.md model card), train_log.json and loss.png (when matplotlib is
+installed). Deterministic seed; bf16 autocast on CUDA, where transformers runs its GDN layers
+on fla-core's kernels; plain fp32 torch on CPU. Budget: the default 1500 steps x 32 x 1024
+tokens (49 M tokens, ~6 epochs of the 8.5 M training tokens, ~5 PFLOP) should take a few
+minutes on one H200 (the log prints the measured tokens/s and an ETA after 20 steps);
+--max-minutes (default 8, inside the device's 10-minute command limit) stops the loop early and
+still evaluates and saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from deltaserve.default_model.build import FILES_DIR
+from deltaserve.default_model.config import default_text_config
+from deltaserve.default_model.corpus import load_manifest, prepare_corpus
+from deltaserve.default_model.export import model_card, plot_losses, save_hf_folder
+from deltaserve.default_model.hf_reference import torch_gdn_reference
+from deltaserve.default_model.training import (
+    TrainModel,
+    evaluate,
+    lr_at,
+    make_optimizer,
+    tokenize_split,
+    train_batches,
+    train_step,
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command-line flags (see --help)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="build/default_model", help="output HF folder")
+    ap.add_argument("--corpus", default="build/corpus", help="prepared corpus (made if absent)")
+    ap.add_argument("--stdlib", default=None, help="stdlib dir when the corpus must be made")
+    ap.add_argument("--tokenizer", default=str(FILES_DIR), help="folder with tokenizer files")
+    ap.add_argument("--max-steps", type=int, default=1500)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--mtp-steps", type=int, default=3, help="recursive MTP steps trained")
+    ap.add_argument("--mtp-weight", type=float, default=0.5, help="x mean MTP step loss")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-tokens", type=int, default=0, help="held-out tokens (0 = all)")
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--max-minutes", type=float, default=8.0,
+                    help="stop the training loop after this long, then evaluate and save")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--arch", action="append", default=[], metavar="KEY=VALUE",
+                    help="override an architecture entry, e.g. --arch hidden_size=64")
+    args = ap.parse_args(argv)
+    args.command = shlex.join(["python", "scripts/train_default_model.py", *(argv or sys.argv[1:])])
+    return args
+
+
+def arch_overrides(items: list[str]) -> dict:
+    """Parse KEY=VALUE pairs; values are ints or floats."""
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        out[key] = float(value) if any(c in value for c in ".e") else int(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train, evaluate, save; return the final held-out metrics."""
+    args = parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else "cpu" if args.device == "auto" else args.device)
+    autocast = torch.bfloat16 if device.type == "cuda" else None
+    torch.backends.cuda.matmul.allow_tf32 = True
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+
+    try:
+        manifest = load_manifest(args.corpus)
+    except FileNotFoundError:
+        manifest = prepare_corpus(args.corpus, args.stdlib)
+    tok_file = Path(args.tokenizer) / "tokenizer.json"
+    train_ids = tokenize_split(tok_file, args.corpus, "train")
+    held_ids = tokenize_split(tok_file, args.corpus, "heldout")
+    print(f"corpus: {train_ids.numel() / 1e6:.2f} M train tokens, {held_ids.numel() / 1e3:.0f} k "
+          f"held-out tokens ({time.perf_counter() - t_start:.1f}s)", flush=True)
+
+    torch.manual_seed(args.seed)
+    model = TrainModel(default_text_config(**arch_overrides(args.arch))).to(device)
+    counts = model.param_counts()
+    print(f"model: {counts['model'] / 1e6:.2f} M params + MTP {counts['mtp'] / 1e6:.2f} M, "
+          f"device {device}, autocast {autocast}", flush=True)
+    opt = make_optimizer(model, args.lr, args.weight_decay)
+    batches = train_batches(train_ids, args.batch_size, args.seq_len, args.seed)
+    eval_kw = dict(seq_len=args.seq_len, batch_size=args.batch_size, mtp_steps=args.mtp_steps,
+                   autocast_dtype=autocast, max_tokens=args.eval_tokens)
+    log = {"args": vars(args), "params": counts, "corpus": manifest, "train": [], "eval": []}
+    tokens_per_step = args.batch_size * args.seq_len
+
+    with ExitStack() as stack:
+        if device.type == "cpu":  # transformers binds fla's Triton kernels even for CPU tensors
+            stack.enter_context(torch_gdn_reference())
+        model.train()
+        t_train, step = time.perf_counter(), 0
+        while step < args.max_steps:
+            lr = lr_at(step, args.max_steps, args.lr, args.warmup, args.min_lr_ratio)
+            batch = next(batches).to(device, non_blocking=True)
+            r = train_step(model, opt, batch, lr=lr, mtp_steps=args.mtp_steps,
+                           mtp_weight=args.mtp_weight, grad_clip=args.grad_clip,
+                           autocast_dtype=autocast)
+            step += 1
+            elapsed = time.perf_counter() - t_train
+            if step % args.log_every == 0 or step == args.max_steps:
+                log["train"].append({"step": step, "loss": r.loss, "main": r.main, "mtp": r.mtp,
+                                     "grad_norm": r.grad_norm, "lr": lr, "elapsed_s": elapsed})
+                print(f"step {step:5d} loss {r.loss:.4f} main {r.main:.4f} "
+                      f"mtp {[round(m, 3) for m in r.mtp]} lr {lr:.2e} {elapsed:.0f}s", flush=True)
+            if step == 20:
+                tps = 20 * tokens_per_step / elapsed
+                print(f"throughput {tps:,.0f} tokens/s; ETA for {args.max_steps} steps "
+                      f"{args.max_steps * tokens_per_step / tps / 60:.1f} min", flush=True)
+            if step % args.eval_every == 0 and step < args.max_steps:
+                log["eval"].append({"step": step, **evaluate(model, held_ids, **eval_kw)})
+                print(f"eval step {step}: {log['eval'][-1]}", flush=True)
+                (out / "train_log.json").write_text(json.dumps(log, indent=1))
+            if elapsed > args.max_minutes * 60:
+                print(f"stopping at step {step}: --max-minutes {args.max_minutes} reached")
+                break
+        train_seconds = time.perf_counter() - t_train
+        final = evaluate(model, held_ids, **eval_kw)
+    log["eval"].append({"step": step, **final})
+    log["final"] = final
+    print(f"held-out: loss {final['loss']:.4f} ppl {final['ppl']:.2f} "
+          f"mtp {final['mtp_loss']} draft1 agreement {final['draft1_agreement']:.3f}", flush=True)
+
+    size = save_hf_folder(model, out, args.tokenizer)
+    cfg = model.lm.config
+    arch = (f"{cfg.num_hidden_layers} layers ({cfg.layer_types.count('linear_attention')} Gated "
+            f"DeltaNet, {cfg.layer_types.count('full_attention')} full attention), hidden "
+            f"{cfg.hidden_size}, vocabulary {cfg.vocab_size}, one MTP layer")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    (out / "train_log.json").write_text(json.dumps(log, indent=1))
+    plotted = plot_losses(log, out / "loss.png")
+    card = model_card({"corpus": manifest, "params": counts, "size_bytes": size,
+                       "command": args.command, "steps": step, "tokens": step * tokens_per_step,
+                       "seconds": train_seconds, "device": device_name, "final": final,
+                       "config": arch, "curve": ("The loss curve is `loss.png`; " if plotted
+                                                 else "") + "the log is `train_log.json`."})
+    (out / "README.md").write_text(card)
+    print(f"saved {out} ({size / 1e6:.1f} MB safetensors, plot {'yes' if plotted else 'no'}) "
+          f"in {(time.perf_counter() - t_start) / 60:.1f} min", flush=True)
+    return final
+
+
+if __name__ == "__main__":
+    main()
