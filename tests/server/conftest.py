@@ -62,9 +62,13 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def make_engine(model: Path):
-    from fake_engine import FakeEngine
+    """The real engine on the tiny model: CPU, fp32, a small context and page pool."""
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine.llm_engine import LLMEngine
 
-    return FakeEngine(max_model_len=MAX_MODEL_LEN)
+    return LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32",
+                                  max_model_len=MAX_MODEL_LEN, page_size=16, chunk_size=256,
+                                  num_pages=160, max_running_reqs=4))
 
 
 class LiveServer:

@@ -145,7 +145,7 @@ def test_a_prompt_over_the_context_limit_is_a_400_naming_the_field(client):
 
 def test_token_ids_outside_the_vocabulary_are_a_400(client):
     r = client.post("/v1/completions", json={"prompt": [1, 10**9], "max_tokens": 2})
-    assert "vocab" in assert_openai_error(r, 400, "prompt")["message"]
+    assert "token ids" in assert_openai_error(r, 400, "prompt")["message"]
 
 
 def test_bad_sampling_parameters_are_a_400_naming_the_field(client):
@@ -186,6 +186,31 @@ def test_a_failing_engine_step_is_a_500_and_the_server_keeps_serving(client, ser
     again = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, **GREEDY})
     assert again.status_code == 200
     wait_idle(client)
+
+
+def test_an_engine_failure_mid_stream_ends_the_stream_with_an_error_event(served):
+    request = {"prompt": "A long story", "max_tokens": MAX_MODEL_LEN - 32, "stream": True,
+               **GREEDY}
+    with httpx.Client(base_url=served.base_url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=request) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            served.flaky.fail_next_step = True
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert error["type"] == "server_error" and "injected" in error["message"]
+        wait_idle(c)
+
+
+def test_a_stop_string_cuts_the_text_and_finishes_with_stop(client):
+    request = {"prompt": "Once upon a time", "max_tokens": 12, **GREEDY}
+    text = client.post("/v1/completions", json=request).json()["choices"][0]["text"]
+    stop = text[len(text) // 2:][:3]
+    assert stop.strip(), text
+    cut = client.post("/v1/completions", json={**request, "stop": stop}).json()
+    assert cut["choices"][0]["text"] == text[:text.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
 
 
 def test_a_client_that_disconnects_mid_stream_is_aborted_and_its_pages_freed(served):

@@ -73,13 +73,17 @@ class AsyncEngine:
     """Runs `engine` on a background thread; see the module docstring for the threading model.
 
     `engine` must offer the LLMEngine interface (add_request, step, abort, has_unfinished, ...).
+    `model_name` overrides the name the API serves the model under (default: the engine's).
     The thread starts in the constructor; call `shutdown()` to stop it.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str | None = None) -> None:
         self.engine = engine
-        self.tokenizer = engine.tokenizer  # read-only use from the asyncio side (encode only)
-        self.model_name: str = engine.model_name
+        # The tokenizer is shared: the asyncio side only encodes, the loop thread only decodes;
+        # neither reconfigures it (truncation/padding), so the Rust tokenizer is never borrowed
+        # mutably.
+        self.tokenizer = engine.tokenizer
+        self.model_name: str = model_name or engine.model_name
         self.max_model_len: int = engine.max_model_len
         self._cond = threading.Condition()
         self._commands: list[Callable[[], None]] = []  # guarded by _cond

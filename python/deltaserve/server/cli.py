@@ -103,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="model name in the API (default: the --model path)")
     add_engine_flags(serve)
     return parser
 
@@ -163,10 +165,10 @@ def _serve(args: argparse.Namespace) -> int:
     from deltaserve.server.api import build_app
     from deltaserve.server.async_engine import AsyncEngine
 
-    engine = AsyncEngine(_make_engine(args))
+    engine = AsyncEngine(_make_engine(args), model_name=args.served_model_name)
     try:
         app = build_app(engine)
-        logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
+        logger.info("serving %s", engine.model_name)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     finally:
         engine.shutdown()
