@@ -1,0 +1,168 @@
+"""End-to-end engine benchmark on a random-weight Qwen3.5-style model (TARGETS.md, "End to end").
+
+Reports prefill tokens/s (one long prompt), decode tokens/s at batch 1 and 32, and the TTFT of a
+cached follow-up turn against a cold prefill of the same prompt and a prefill of only its new
+tokens. The anchor (transformers generating on the same weights) is measured in the same run
+when --anchor is given. Prints a table and writes JSON.
+
+    python benchmarks/bench_e2e.py --out e2e.json [--hidden 1024 --layers 24] [--anchor]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+
+import torch
+
+from deltaserve import LLM, SamplingParams
+
+
+def build_checkpoint(path: str, hidden: int, layers: int, vocab: int) -> int:
+    """Random Qwen3.5-style checkpoint (3 GDN : 1 attention) in bf16; returns its parameters."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 3.5),
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=65536,
+        tie_word_embeddings=True, eos_token_id=vocab - 1,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                     for i in range(layers)])
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16)
+    n_params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return n_params
+
+
+def timed(fn, *args, **kwargs) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn(*args, **kwargs)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def prompt(n: int, vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab - 1) for _ in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--anchor", action="store_true", help="also time transformers")
+    ap.add_argument("--profile", action="store_true", help="profile 8 batch-1 decode steps")
+    ap.add_argument("--out", default="e2e.json")
+    args = ap.parse_args()
+    res: dict = {"config": vars(args).copy()}
+    with tempfile.TemporaryDirectory() as path:
+        res["params"] = build_checkpoint(path, args.hidden, args.layers, args.vocab)
+        llm = LLM(path, device="cuda", dtype="bfloat16", kv_memory_gb=8.0, page_size=16,
+                  chunk_size=8192, max_num_batched_tokens=8192, max_running_reqs=64)
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        long = prompt(args.prefill_tokens, args.vocab, 1)
+        for _ in range(2):  # the first pass compiles fla-core's Triton kernels for these shapes
+            res.update(prefill_protocol(llm, long, args.vocab, one))
+        res["prefill_tok_s"] = args.prefill_tokens / res["prefill_s"]
+        for batch in (1, 32, 1):  # batch 1 twice: the first pass warms up the decode path
+            prompts = [prompt(128, args.vocab, 100 + i) for i in range(batch)]
+            n = args.decode_tokens
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            llm.engine.flush_cache()
+            t_pre = timed(llm.generate, prompts, one)
+            llm.engine.flush_cache()
+            t_all = timed(llm.generate, prompts, params)
+            res[f"decode_b{batch}_tok_s"] = batch * (n - 1) / max(t_all - t_pre, 1e-9)
+        if args.profile:
+            res["profile"] = profile_decode(llm, args.vocab)
+            print(res["profile"])
+        del llm
+        torch.cuda.empty_cache()
+        if args.anchor:
+            res.update(anchor(path, args))
+    print(f"model: {res['params'] / 1e6:.0f}M params, hidden {args.hidden}, {args.layers} layers")
+    for key in ("prefill_tok_s", "decode_b1_tok_s", "decode_b32_tok_s", "ttft_followup_s",
+                "prefill_new_only_s", "ttft_cold_s", "followup_cached_tokens",
+                "anchor_decode_b1_tok_s", "anchor_decode_b32_tok_s", "anchor_prefill_s"):
+        if key in res:
+            print(f"{key:28s} {res[key]:.4g}")
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=2)
+
+
+def prefill_protocol(llm: LLM, long: list[int], vocab: int, one: SamplingParams) -> dict:
+    """Cold prefill of `long`; then a follow-up turn (long + answer + 256 new tokens) timed
+    against the same prompt cold and against a prefill of only its uncached tokens."""
+    res = {}
+    llm.engine.flush_cache()
+    res["prefill_s"] = timed(llm.generate, [long], one)
+    (a1,) = llm.generate([long], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    follow = long + a1.token_ids + prompt(256, vocab, 2)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    (out,) = llm.generate([follow], one)
+    torch.cuda.synchronize()
+    res["ttft_followup_s"] = time.perf_counter() - t
+    res["followup_cached_tokens"] = out.cached_tokens
+    new_only = prompt(len(follow) - out.cached_tokens, vocab, 3)
+    llm.engine.flush_cache()
+    res["prefill_new_only_s"] = timed(llm.generate, [new_only], one)
+    llm.engine.flush_cache()
+    res["ttft_cold_s"] = timed(llm.generate, [follow], one)
+    return res
+
+
+def profile_decode(llm: LLM, vocab: int) -> str:
+    """torch.profiler table of 8 batch-1 decode steps (after their prefill)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.engine
+    eng.add_request(prompt(128, vocab, 5), SamplingParams(temperature=0.0, max_tokens=64,
+                                                         ignore_eos=True))
+    eng.step()
+    eng.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            eng.step()
+        torch.cuda.synchronize()
+    while eng.has_unfinished():
+        eng.step()
+    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
+
+
+def anchor(path: str, args) -> dict:
+    """transformers on the same weights (with fla-core kernels when importable)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    out = {}
+    with torch.inference_mode():
+        ids = torch.tensor([prompt(args.prefill_tokens, args.vocab, 1)], device="cuda")
+        model(ids[:, :256])
+        out["anchor_prefill_s"] = timed(model, ids)
+        for batch in (1, 32):
+            x = torch.tensor([prompt(128, args.vocab, 100 + i) for i in range(batch)],
+                             device="cuda")
+            n = 32
+            gen = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+            t1 = timed(model.generate, x, max_new_tokens=1, min_new_tokens=1, **gen)
+            tn = timed(model.generate, x, max_new_tokens=n, min_new_tokens=n, **gen)
+            out[f"anchor_decode_b{batch}_tok_s"] = batch * (n - 1) / (tn - t1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
