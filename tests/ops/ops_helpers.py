@@ -25,6 +25,7 @@ def gdn_inputs(n: int, r: int | None, h: int, hv: int, kd: int, vd: int, *, seed
 
 
 def random_state(s: int, hv: int, vd: int, kd: int, *, seed: int, device="cpu", layers=None):
-    gen = torch.Generator().manual_seed(seed)
+    """fp32 state pool, generated on `device` (large GPU pools stay fast to build)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     shape = (s, hv, vd, kd) if layers is None else (layers, s, hv, vd, kd)
-    return (torch.randn(*shape, generator=gen) * 0.1).to(device)
+    return torch.randn(*shape, generator=gen, device=device) * 0.1

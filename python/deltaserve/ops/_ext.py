@@ -20,3 +20,30 @@ def extension_loaded() -> bool:
 def use_extension(*tensors: torch.Tensor) -> bool:
     """True when every tensor is on a CUDA (or ROCm) device and the extension is built."""
     return all(t.is_cuda for t in tensors) and extension_loaded()
+
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KERNEL_HEAD_DIMS = (64, 128, 256)  # head_k_dim values the GDN kernels are compiled for
+KERNEL_CONV_WIDTH = 4
+
+
+def same_kernel_dtype(*tensors: torch.Tensor | None) -> bool:
+    """True when the given tensors (None skipped) share one dtype the kernels are compiled for."""
+    dtypes = {t.dtype for t in tensors if t is not None}
+    return len(dtypes) == 1 and dtypes.pop() in KERNEL_DTYPES
+
+
+def vector_rows(t: torch.Tensor, inner: int, align: int) -> bool:
+    """Last `inner` dims dense, 16-byte aligned start, outer strides multiples of `align`
+    elements, outer dims nested evenly (what the kernels' vector loads assume)."""
+    expect = 1
+    for d in range(t.dim() - 1, t.dim() - inner - 1, -1):
+        if t.shape[d] != 1 and t.stride(d) != expect:
+            return False
+        expect *= t.shape[d]
+    outer = range(t.dim() - inner)
+    if any(t.stride(d) % align for d in outer):
+        return False
+    if any(t.stride(d) != t.shape[d + 1] * t.stride(d + 1) for d in range(t.dim() - inner - 1)):
+        return False
+    return t.data_ptr() % 16 == 0

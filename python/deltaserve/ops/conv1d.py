@@ -13,7 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.ops._exact import pointwise
-from deltaserve.ops._ext import use_extension
+from deltaserve.ops._ext import (
+    KERNEL_CONV_WIDTH,
+    same_kernel_dtype,
+    use_extension,
+    vector_rows,
+)
 
 
 def _conv_rows(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -27,6 +32,15 @@ def _conv_rows(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     for i in range(width):
         acc = acc + z[..., i:i + rows, :].float() * w32[:, i]
     return pointwise(F.silu, acc)
+
+
+def _kernel_ok(x, weight, bias, conv_state) -> bool:
+    """The extension handles these inputs (else the reference runs, also on CUDA)."""
+    return (use_extension(x, conv_state) and conv_state.shape[1] == KERNEL_CONV_WIDTH - 1
+            and (weight is None or weight.shape[1] == KERNEL_CONV_WIDTH)
+            and same_kernel_dtype(x, weight, bias, conv_state)
+            and x.shape[-1] % (16 // x.element_size()) == 0
+            and vector_rows(x, 1, 16 // x.element_size()))
 
 
 def _check(weight: torch.Tensor, conv_state: torch.Tensor, d: int) -> None:
@@ -54,14 +68,16 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     _check(weight, conv_state, x.shape[-1])
     if (track_offsets is None) != (track_slots is None):
         raise ValueError("track_offsets and track_slots go together")
-    if use_extension(x, conv_state):
+    if _kernel_ok(x, weight, bias, conv_state):
         return torch.ops.deltaserve.causal_conv1d_prefill(
             x, weight, bias, conv_state, cu_seqlens, slots, track_offsets, track_slots)
-    return _prefill_ref(x, weight, bias, conv_state, cu_seqlens, slots, track_offsets,
-                        track_slots)
+    return conv1d_prefill_ref(x, weight, bias, conv_state, cu_seqlens, slots, track_offsets,
+                              track_slots)
 
 
-def _prefill_ref(x, weight, bias, conv_state, cu_seqlens, slots, track_offsets, track_slots):
+def conv1d_prefill_ref(x, weight, bias, conv_state, cu_seqlens, slots, track_offsets=None,
+                       track_slots=None) -> torch.Tensor:
+    """Pure-torch causal_conv1d_prefill (any device); same contract."""
     keep = weight.shape[1] - 1
     bounds = cu_seqlens.tolist()
     slot_list = slots.tolist()
@@ -89,8 +105,13 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     Repeated slots (padding slot 0) are allowed; their window ends up holding one of the rows.
     """
     _check(weight, conv_state, x.shape[-1])
-    if use_extension(x, conv_state):
+    if _kernel_ok(x, weight, bias, conv_state):
         return torch.ops.deltaserve.causal_conv1d_update(x, weight, bias, conv_state, slots)
+    return conv1d_update_ref(x, weight, bias, conv_state, slots)
+
+
+def conv1d_update_ref(x, weight, bias, conv_state, slots) -> torch.Tensor:
+    """Pure-torch causal_conv1d_update (any device); same contract."""
     idx = slots.long()
     z = torch.cat([conv_state[idx].to(x.dtype), x[:, None]], dim=1)
     y = _conv_rows(z, weight, bias, 1)[:, 0].to(x.dtype)
@@ -107,8 +128,13 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     Advance the windows afterwards with `causal_conv1d_commit`.
     """
     _check(weight, conv_state, x.shape[-1])
-    if use_extension(x, conv_state):
+    if _kernel_ok(x, weight, bias, conv_state):
         return torch.ops.deltaserve.causal_conv1d_verify(x, weight, bias, conv_state, slots)
+    return conv1d_verify_ref(x, weight, bias, conv_state, slots)
+
+
+def conv1d_verify_ref(x, weight, bias, conv_state, slots) -> torch.Tensor:
+    """Pure-torch causal_conv1d_verify (any device); same contract."""
     z = torch.cat([conv_state[slots.long()].to(x.dtype), x], dim=1)
     return _conv_rows(z, weight, bias, x.shape[1]).to(x.dtype)
 
@@ -122,9 +148,14 @@ def causal_conv1d_commit(x: torch.Tensor, conv_state: torch.Tensor, slots: torch
     """
     if conv_state.dim() != 3 or conv_state.shape[2] != x.shape[-1]:
         raise ValueError(f"conv_state must be [S, W-1, D={x.shape[-1]}]")
-    if use_extension(x, conv_state):
+    if _kernel_ok(x, None, None, conv_state):
         torch.ops.deltaserve.causal_conv1d_commit(x, conv_state, slots, accepted)
         return
+    conv1d_commit_ref(x, conv_state, slots, accepted)
+
+
+def conv1d_commit_ref(x, conv_state, slots, accepted) -> None:
+    """Pure-torch causal_conv1d_commit (any device); same contract."""
     keep = conv_state.shape[1]
     idx = slots.long()
     z = torch.cat([conv_state[idx], x.to(conv_state.dtype)], dim=1)  # [N, keep + R, D]

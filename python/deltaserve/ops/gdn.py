@@ -19,7 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.ops._exact import pointwise
-from deltaserve.ops._ext import use_extension
+from deltaserve.ops._ext import (
+    KERNEL_HEAD_DIMS,
+    same_kernel_dtype,
+    use_extension,
+    vector_rows,
+)
 from deltaserve.ops.gdn_chunk import chunk_gated_delta_ref
 
 L2_EPS = 1e-6
@@ -67,6 +72,14 @@ def _prepare(q, k, v, a, b, A_log, dt_bias, scale):
     return _l2norm(q) * scale, _l2norm(k), v.float(), g, beta
 
 
+def _kernel_ok(q, k, v, a, b, state) -> bool:
+    """The extension handles these inputs (else the reference runs, also on CUDA)."""
+    return (use_extension(q, state) and q.shape[-1] in KERNEL_HEAD_DIMS
+            and same_kernel_dtype(q, k, v, a, b) and vector_rows(q, 2, 4)
+            and vector_rows(k, 2, 4) and v.stride(-1) == 1 and v.stride(-2) == v.shape[-1]
+            and a.stride(-1) == 1 and b.stride(-1) == 1)
+
+
 def _check_state(state: torch.Tensor, v: torch.Tensor, k: torch.Tensor) -> None:
     hv, vd, kd = v.shape[-2], v.shape[-1], k.shape[-1]
     if state.dtype != torch.float32 or state.shape[-3:] != (hv, vd, kd):
@@ -85,9 +98,14 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
     outputs are unspecified. Raises ValueError on a bad state shape/dtype or HV % H != 0.
     """
     _check_state(state, v, k)
-    if use_extension(q, state):
-        return torch.ops.deltaserve.gdn_decode(q, k, v, a, b, A_log, dt_bias, state, slots,
-                                               scale)
+    if _kernel_ok(q, k, v, a, b, state):
+        return torch.ops.deltaserve.gdn_decode(q, k, v, a, b, A_log.float(), dt_bias.float(),
+                                               state, slots, scale)
+    return gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, state, slots, scale)
+
+
+def gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, state, slots, scale) -> torch.Tensor:
+    """Pure-torch gdn_decode (any device); same contract."""
     hv = v.shape[-2]
     qn, kn, vf, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias, scale)
     idx = slots.long()
@@ -149,11 +167,17 @@ def gdn_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
     if n > stash.max_reqs or r > stash.max_rows or not 0 <= layer < stash.num_layers:
         raise ValueError(f"stash holds {stash.num_layers} layers x {stash.max_reqs} requests "
                          f"x {stash.max_rows} rows; got layer {layer}, N={n}, R={r}")
-    if use_extension(q, state):
-        return torch.ops.deltaserve.gdn_verify(q, k, v, a, b, A_log, dt_bias, state, slots,
-                                               scale, stash.k, stash.v, stash.g, stash.beta,
-                                               layer)
-    hv = v.shape[-2]
+    if _kernel_ok(q, k, v, a, b, state):
+        return torch.ops.deltaserve.gdn_verify(q, k, v, a, b, A_log.float(), dt_bias.float(),
+                                               state, slots, scale, stash.k, stash.v, stash.g,
+                                               stash.beta, layer)
+    return gdn_verify_ref(q, k, v, a, b, A_log, dt_bias, state, slots, scale, stash, layer)
+
+
+def gdn_verify_ref(q, k, v, a, b, A_log, dt_bias, state, slots, scale, stash,
+                   layer) -> torch.Tensor:
+    """Pure-torch gdn_verify (any device); same contract."""
+    n, r, hv = v.shape[0], v.shape[1], v.shape[-2]
     qn, kn, vf, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias, scale)
     stash.k[layer, :n, :r] = kn
     stash.v[layer, :n, :r] = vf
@@ -184,10 +208,17 @@ def gdn_replay(stash: GDNStash, state_pool: torch.Tensor, slots: torch.Tensor,
     _check_state(state_pool, stash.v, stash.k)
     if n > stash.max_reqs:
         raise ValueError(f"N={n} exceeds the stash's {stash.max_reqs} requests")
-    if use_extension(state_pool):
+    if use_extension(state_pool, stash.k) and state_pool.shape[-1] in KERNEL_HEAD_DIMS:
         torch.ops.deltaserve.gdn_replay(stash.k, stash.v, stash.g, stash.beta, state_pool,
                                         slots, accepted)
         return
+    gdn_replay_ref(stash, state_pool, slots, accepted)
+
+
+def gdn_replay_ref(stash: GDNStash, state_pool: torch.Tensor, slots: torch.Tensor,
+                   accepted: torch.Tensor) -> None:
+    """Pure-torch gdn_replay (any device); same contract."""
+    n = slots.shape[0]
     if n == 0:
         return
     hv = state_pool.shape[2]

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Compile every device-code header in csrc/kernels/ without torch:
+#   1. each header on its own (self-contained) and all kernel templates instantiated, with nvcc
+#      for sm_90 (device code only, -cubin);
+#   2. the same instantiation for HIP gfx1151 (wave32) with Debian's clang-19
+#      (--cuda-device-only -S, BUILD.md), installing clang-19 + HIP headers when missing.
+# Exits non-zero on any compile error. Idempotent; about a minute on 2 cores.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+NVCC="$CUDA_HOME/bin/nvcc"
+
+# One TU that instantiates every kernel through its host launcher, for all storage types.
+cat > "$WORK/all_kernels.cu" <<'CU'
+#include "kernels/conv1d.cuh"
+#include "kernels/gdn_recurrent.cuh"
+#include "kernels/gdn_replay.cuh"
+
+template <typename T>
+static void instantiate_for() {
+  ds::gdn::RecurrentParams rp{};
+  ds::conv::ConvParams cp{};
+  for (int k : {64, 128, 256}) {
+    (void)ds::gdn::launch_gdn_decode<T>(rp, k, nullptr);
+    (void)ds::gdn::launch_gdn_verify<T>(rp, k, nullptr);
+  }
+  (void)ds::conv::launch_conv_step<T, 4>(cp, false, nullptr);
+  (void)ds::conv::launch_conv_step<T, 4>(cp, true, nullptr);
+  (void)ds::conv::launch_conv_commit<T, 4>(cp, nullptr);
+  (void)ds::conv::launch_conv_prefill<T, 4>(cp, nullptr);
+}
+
+void instantiate_all() {
+  instantiate_for<ds::bf16>();
+  instantiate_for<ds::f16>();
+  instantiate_for<float>();
+  ds::gdn::ReplayParams p{};
+  for (int k : {64, 128, 256}) (void)ds::gdn::launch_gdn_replay(p, k, nullptr);
+}
+CU
+
+status=0
+if [[ -x "$NVCC" ]]; then
+  for header in "$ROOT"/csrc/kernels/*.cuh; do
+    name="$(basename "$header" .cuh)"
+    printf '#include "kernels/%s.cuh"\n' "$name" > "$WORK/h_$name.cu"
+    "$NVCC" -std=c++17 -O3 -arch=sm_90 -cubin -I"$ROOT/csrc" "$WORK/h_$name.cu" \
+      -o "$WORK/h_$name.cubin" || { echo "FAIL nvcc sm_90: $name.cuh"; status=1; }
+  done
+  "$NVCC" -std=c++17 -O3 -arch=sm_90 -cubin -Werror all-warnings -I"$ROOT/csrc" \
+    "$WORK/all_kernels.cu" -o "$WORK/all_kernels.cubin" \
+    && echo "ok   nvcc sm_90: all kernels" || { echo "FAIL nvcc sm_90: all kernels"; status=1; }
+else
+  echo "FAIL nvcc not found at $NVCC (set CUDA_HOME)"; status=1
+fi
+
+if ! command -v clang++-19 > /dev/null || [[ ! -f /usr/include/hip/hip_runtime.h ]]; then
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get > /dev/null; then
+    apt-get install -y -qq --no-install-recommends clang-19 lld-19 libamdhip64-dev \
+      rocm-device-libs > /dev/null
+  fi
+fi
+if command -v clang++-19 > /dev/null; then
+  cp "$WORK/all_kernels.cu" "$WORK/all_kernels.hip"
+  clang++-19 -x hip --offload-arch=gfx1151 --rocm-path=/usr -nogpulib -O3 -std=c++17 \
+    --cuda-device-only -Werror -I"$ROOT/csrc" -S "$WORK/all_kernels.hip" \
+    -o "$WORK/all_kernels.s" \
+    && echo "ok   clang-19 gfx1151 (wave32): all kernels" \
+    || { echo "FAIL clang-19 gfx1151: all kernels"; status=1; }
+else
+  echo "FAIL clang++-19 not available (apt-get install clang-19 libamdhip64-dev, as root)"
+  status=1
+fi
+exit $status

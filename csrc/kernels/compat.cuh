@@ -1,0 +1,143 @@
+// One portability layer for the device code: CUDA (nvcc) and HIP (clang, gfx1151 wave32).
+// Shuffles, rounding-explicit float math, 16-bit float conversions, launch and error helpers.
+// Device code elsewhere uses only what is defined here, never a vendor API directly.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__HIP__) || defined(__HIPCC__)
+#include <hip/hip_runtime.h>
+#define DS_HIP 1
+using ds_stream_t = hipStream_t;
+using ds_error_t = hipError_t;
+#define DS_SUCCESS hipSuccess
+#define DS_ERROR_INVALID_VALUE hipErrorInvalidValue
+#define ds_get_last_error hipGetLastError
+#else
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#define DS_HIP 0
+using ds_stream_t = cudaStream_t;
+using ds_error_t = cudaError_t;
+#define DS_SUCCESS cudaSuccess
+#define DS_ERROR_INVALID_VALUE cudaErrorInvalidValue
+#define ds_get_last_error cudaGetLastError
+#endif
+
+// Everything below is device code or kernel launches: only for nvcc / clang-HIP compiles.
+// Host-only files (csrc/ops/*.cpp) get the stream/error types above and nothing else.
+#if defined(__CUDACC__) || defined(__HIP__)
+
+#define DS_DEVICE __device__ __forceinline__
+#define DS_HOST_DEVICE __host__ __device__ __forceinline__
+
+namespace ds {
+
+// Both targets run 32-lane groups: CUDA warps and RDNA wave32 (gfx11). Kernels assume it.
+constexpr int kWarp = 32;
+
+// ---- rounding-explicit arithmetic: the compiler may not contract or reorder these ----------
+#if DS_HIP
+#pragma clang fp contract(off)
+DS_DEVICE float fmul(float a, float b) { return a * b; }
+DS_DEVICE float fadd(float a, float b) { return a + b; }
+DS_DEVICE float fsub(float a, float b) { return a - b; }
+DS_DEVICE float ffma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+#else
+DS_DEVICE float fmul(float a, float b) { return __fmul_rn(a, b); }
+DS_DEVICE float fadd(float a, float b) { return __fadd_rn(a, b); }
+DS_DEVICE float fsub(float a, float b) { return __fsub_rn(a, b); }
+DS_DEVICE float ffma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+#endif
+DS_DEVICE float fexp(float x) { return expf(x); }
+DS_DEVICE float flog1p(float x) { return log1pf(x); }
+DS_DEVICE float frsqrt(float x) { return rsqrtf(x); }
+DS_DEVICE float fdiv(float a, float b) { return a / b; }
+
+// ---- shuffles ------------------------------------------------------------------------------
+DS_DEVICE float shfl_xor(float v, int mask) {
+#if DS_HIP
+  return __shfl_xor(v, mask, kWarp);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask, kWarp);
+#endif
+}
+
+// Sum over an aligned group of LANES consecutive lanes (butterfly: every lane gets the same
+// bits, since each level adds the same two values in either order).
+template <int LANES>
+DS_DEVICE float group_sum(float v) {
+#pragma unroll
+  for (int off = LANES / 2; off > 0; off >>= 1) v = fadd(v, shfl_xor(v, off));
+  return v;
+}
+
+// ---- 16-bit float storage types (bit patterns; no vendor header types at the interface) ----
+struct bf16 { uint16_t bits; };
+struct f16 { uint16_t bits; };
+
+DS_DEVICE float to_float(float x) { return x; }
+DS_DEVICE float to_float(bf16 x) { return __uint_as_float(uint32_t(x.bits) << 16); }
+DS_DEVICE float to_float(f16 x) {
+#if DS_HIP
+  return float(__builtin_bit_cast(_Float16, x.bits));
+#else
+  return __half2float(__ushort_as_half(x.bits));
+#endif
+}
+
+template <typename T> DS_DEVICE T from_float(float x);
+template <> DS_DEVICE float from_float<float>(float x) { return x; }
+template <> DS_DEVICE bf16 from_float<bf16>(float x) {  // round to nearest even, quiet NaN
+  uint32_t u = __float_as_uint(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{uint16_t(0x7fc0)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16{uint16_t(u >> 16)};
+}
+template <> DS_DEVICE f16 from_float<f16>(float x) {
+#if DS_HIP
+  return f16{__builtin_bit_cast(uint16_t, static_cast<_Float16>(x))};
+#else
+  return f16{__half_as_ushort(__float2half_rn(x))};
+#endif
+}
+
+// Load/store N consecutive elements (N * sizeof(T) a multiple of 8 bytes, pointer aligned).
+template <typename T, int N>
+DS_DEVICE void load_vec(const T* __restrict__ p, float (&out)[N]) {
+  static_assert((N * sizeof(T)) % 8 == 0, "vector loads move whole 8-byte words");
+  constexpr int kWords = N * sizeof(T) / 8;
+  union { uint2 w[kWords]; T e[N]; } u;
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) u.w[i] = reinterpret_cast<const uint2*>(p)[i];
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(u.e[i]);
+}
+
+template <typename T, int N>
+DS_DEVICE void store_vec(T* __restrict__ p, const float (&in)[N]) {
+  static_assert((N * sizeof(T)) % 8 == 0, "vector stores move whole 8-byte words");
+  constexpr int kWords = N * sizeof(T) / 8;
+  union { uint2 w[kWords]; T e[N]; } u;
+#pragma unroll
+  for (int i = 0; i < N; ++i) u.e[i] = from_float<T>(in[i]);
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) reinterpret_cast<uint2*>(p)[i] = u.w[i];
+}
+
+// ---- launch ----------------------------------------------------------------------------------
+// Every kernel goes through here: one place for launch attributes and the error check.
+template <typename... KArgs, typename... Args>
+inline ds_error_t launch(void (*kernel)(KArgs...), int64_t blocks, int threads,
+                         ds_stream_t stream, Args... args) {
+  if (blocks <= 0) return DS_SUCCESS;
+  if (blocks > 0x7fffffffLL) return DS_ERROR_INVALID_VALUE;
+  kernel<<<dim3(static_cast<unsigned>(blocks)), dim3(threads), 0, stream>>>(args...);
+  return ds_get_last_error();
+}
+
+DS_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace ds
+
+#endif  // defined(__CUDACC__) || defined(__HIP__)

@@ -1,0 +1,70 @@
+// Shared checks for the torch bindings (host only).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdint>
+#include <initializer_list>
+
+#include "../kernels/compat.cuh"
+
+namespace ds_ops {
+
+using TensorRefs = std::initializer_list<const at::Tensor*>;  // for checks over several inputs
+
+inline void check_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "deltaserve: ", name, " must be a CUDA tensor");
+}
+
+inline void check_dtype(const at::Tensor& t, at::ScalarType dt, const char* name) {
+  TORCH_CHECK(t.scalar_type() == dt, "deltaserve: ", name, " must be ", c10::toString(dt),
+              ", got ", c10::toString(t.scalar_type()));
+}
+
+inline void check_dense(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_contiguous(), "deltaserve: ", name, " must be contiguous");
+}
+
+// Innermost `inner` dims dense; with align > 1 also outer strides multiples of `align` elements
+// and the pointer 16-byte aligned (vector loads).
+inline void check_rows(const at::Tensor& t, int inner, int64_t align, const char* name) {
+  int64_t expect = 1;
+  for (int d = t.dim() - 1; d >= t.dim() - inner; --d) {
+    TORCH_CHECK(t.size(d) == 1 || t.stride(d) == expect, "deltaserve: ", name,
+                " must be dense in its last ", inner, " dims");
+    expect *= t.size(d);
+  }
+  for (int d = 0; d < t.dim() - inner; ++d)
+    TORCH_CHECK(t.stride(d) % align == 0, "deltaserve: ", name,
+                " row stride must be a multiple of ", align, " elements");
+  TORCH_CHECK(align == 1 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "deltaserve: ",
+              name, " must be 16-byte aligned");
+}
+
+inline void check_launch(ds_error_t err, const char* op) {
+  TORCH_CHECK(err == DS_SUCCESS, "deltaserve: ", op, " launch failed: ",
+#if DS_HIP
+              hipGetErrorString(err));
+#else
+              cudaGetErrorString(err));
+#endif
+}
+
+inline ds_stream_t stream_of(const at::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
+}  // namespace ds_ops
+
+// Storage-type dispatch: binds `scalar_t` to ds::bf16 / ds::f16 / float.
+#define DS_DISPATCH_FLOAT(dtype, name, ...)                                            \
+  [&] {                                                                                \
+    switch (dtype) {                                                                   \
+      case at::kBFloat16: { using scalar_t = ds::bf16; return __VA_ARGS__(); }         \
+      case at::kHalf: { using scalar_t = ds::f16; return __VA_ARGS__(); }              \
+      case at::kFloat: { using scalar_t = float; return __VA_ARGS__(); }               \
+      default: TORCH_CHECK(false, "deltaserve: ", name, ": unsupported dtype ", dtype); \
+    }                                                                                  \
+  }()

@@ -1,0 +1,79 @@
+// The `deltaserve` op library: schemas, Meta (fake) implementations, and the Python module
+// entry point of deltaserve._C. CUDA implementations register from gdn.cu, conv1d.cu and
+// snapshot.cpp. Only this file may say TORCH_LIBRARY(deltaserve): a second one aborts Python.
+#include <ATen/ops/empty.h>
+#include <Python.h>
+#include <torch/library.h>
+
+#include <optional>
+
+namespace ds_ops {
+namespace {
+
+at::Tensor like(const at::Tensor& x) { return at::empty(x.sizes(), x.options()); }
+
+at::Tensor conv_prefill_meta(const at::Tensor& x, const at::Tensor&,
+                             const std::optional<at::Tensor>&,
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
+  return like(x);
+}
+at::Tensor conv_step_meta(const at::Tensor& x, const at::Tensor&, const std::optional<at::Tensor>&,
+                          const at::Tensor&, const at::Tensor&) {
+  return like(x);
+}
+void conv_commit_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {}
+at::Tensor gdn_decode_meta(const at::Tensor&, const at::Tensor&, const at::Tensor& v,
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
+  return like(v);
+}
+at::Tensor gdn_verify_meta(const at::Tensor&, const at::Tensor&, const at::Tensor& v,
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, int64_t) {
+  return like(v);
+}
+void gdn_replay_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     const at::Tensor&, const at::Tensor&, const at::Tensor&) {}
+void snapshot_copy_meta(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, c10::IntArrayRef) {}
+
+}  // namespace
+
+TORCH_LIBRARY(deltaserve, m) {
+  m.def("causal_conv1d_prefill(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, "
+        "Tensor cu_seqlens, Tensor slots, Tensor? track_offsets, Tensor? track_slots) -> Tensor");
+  m.def("causal_conv1d_update(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, "
+        "Tensor slots) -> Tensor");
+  m.def("causal_conv1d_verify(Tensor x, Tensor weight, Tensor? bias, Tensor conv_state, "
+        "Tensor slots) -> Tensor");
+  m.def("causal_conv1d_commit(Tensor x, Tensor(a!) conv_state, Tensor slots, "
+        "Tensor accepted) -> ()");
+  m.def("gdn_decode(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
+        "Tensor dt_bias, Tensor(a!) state, Tensor slots, float scale) -> Tensor");
+  m.def("gdn_verify(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
+        "Tensor dt_bias, Tensor state, Tensor slots, float scale, Tensor(a!) stash_k, "
+        "Tensor(b!) stash_v, Tensor(c!) stash_g, Tensor(d!) stash_beta, int layer) -> Tensor");
+  m.def("gdn_replay(Tensor stash_k, Tensor stash_v, Tensor stash_g, Tensor stash_beta, "
+        "Tensor(a!) state, Tensor slots, Tensor accepted) -> ()");
+  m.def("snapshot_copy(Tensor src, Tensor(a!) dst, int[] src_slots, int[] dst_slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(deltaserve, Meta, m) {
+  m.impl("causal_conv1d_prefill", &conv_prefill_meta);
+  m.impl("causal_conv1d_update", &conv_step_meta);
+  m.impl("causal_conv1d_verify", &conv_step_meta);
+  m.impl("causal_conv1d_commit", &conv_commit_meta);
+  m.impl("gdn_decode", &gdn_decode_meta);
+  m.impl("gdn_verify", &gdn_verify_meta);
+  m.impl("gdn_replay", &gdn_replay_meta);
+  m.impl("snapshot_copy", &snapshot_copy_meta);
+}
+
+}  // namespace ds_ops
+
+// `from deltaserve import _C` loads this library, which registers the ops above.
+static PyModuleDef ds_module = {PyModuleDef_HEAD_INIT, "_C", "deltaserve CUDA/HIP kernels", -1,
+                                nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&ds_module); }

@@ -1,0 +1,107 @@
+"""CUDA causal conv1d kernels against the reference; verify/commit bitwise against update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.ops import (
+    causal_conv1d_commit,
+    causal_conv1d_prefill,
+    causal_conv1d_update,
+    causal_conv1d_verify,
+)
+from deltaserve.ops._ext import extension_loaded
+from deltaserve.ops.conv1d import conv1d_prefill_ref, conv1d_update_ref, conv1d_verify_ref
+
+pytestmark = pytest.mark.gpu
+DEV, W = "cuda", 4
+
+
+@pytest.fixture(autouse=True)
+def _extension_is_built():
+    assert extension_loaded(), "deltaserve._C is not built: the GPU tests would test nothing"
+
+
+def _setup(d, num_slots, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(d, W, generator=gen) * 0.5).to(dtype).to(DEV)
+    bias = (torch.randn(d, generator=gen) * 0.1).to(dtype).to(DEV)
+    state = torch.randn(num_slots, W - 1, d, generator=gen).to(dtype).to(DEV)
+    return gen, weight, bias, state
+
+
+def _slots(n, num_slots, seed, pad_every=0):
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(num_slots - 1, generator=gen)[:n] + 1
+    if pad_every:
+        slots[::pad_every] = 0
+    return slots.int().to(DEV)
+
+
+@pytest.mark.parametrize("n", [1, 8, 300, 1024])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_update_matches_the_reference_with_shuffled_and_padding_slots(n, dtype):
+    d = 8192 if n <= 300 else 1024
+    gen, weight, bias, state = _setup(d, n + 1, dtype, seed=n)
+    x = torch.randn(n, d, generator=gen).to(dtype).to(DEV)
+    slots = _slots(n, n + 1, seed=1, pad_every=5 if n > 4 else 0)
+    ref = state.clone()
+    y = causal_conv1d_update(x, weight, bias, state, slots)
+    y_ref = conv1d_update_ref(x, weight, bias, ref, slots)
+    real = (slots != 0).nonzero().flatten()
+    tol = 1e-2 if dtype is torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y[real], y_ref[real], atol=tol, rtol=tol)
+    assert torch.equal(state[1:], ref[1:])
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("bias_on", [True, False])
+def test_verify_equals_stepwise_updates_bitwise_and_leaves_windows_untouched(rows, bias_on):
+    n, d = 37, 2048
+    gen, weight, bias, state = _setup(d, 64, torch.bfloat16, seed=rows)
+    bias = bias if bias_on else None
+    x = torch.randn(n, rows, d, generator=gen).bfloat16().to(DEV)
+    slots = _slots(n, 64, seed=2)
+    before = state.clone()
+    y = causal_conv1d_verify(x, weight, bias, state, slots)
+    assert torch.equal(state, before)
+    stepped = state.clone()
+    for r in range(rows):
+        assert torch.equal(y[:, r], causal_conv1d_update(x[:, r], weight, bias, stepped, slots))
+    torch.testing.assert_close(y, conv1d_verify_ref(x, weight, bias, before, slots), atol=1e-2,
+                               rtol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 8])
+def test_commit_equals_n_updates_for_every_n(rows):
+    n, d = rows + 1, 1024
+    gen, weight, bias, state = _setup(d, 32, torch.bfloat16, seed=rows)
+    x = torch.randn(n, rows, d, generator=gen).bfloat16().to(DEV)
+    slots = _slots(n, 32, seed=3)
+    accepted = torch.arange(n, dtype=torch.int32, device=DEV)  # 0..R
+    stepped = state.clone()
+    causal_conv1d_commit(x, state, slots, accepted)
+    for i in range(n):
+        for r in range(i):
+            causal_conv1d_update(x[i:i + 1, r], weight, bias, stepped, slots[i:i + 1])
+    assert torch.equal(state, stepped)
+
+
+@pytest.mark.parametrize("lengths", [[1, 2, 0, 70, 5], [4096], [33] * 40])
+def test_prefill_matches_the_reference_with_final_and_tracked_windows(lengths):
+    d, dtype = 8192, torch.bfloat16
+    n = len(lengths)
+    gen, weight, bias, state = _setup(d, 2 * n + 2, dtype, seed=len(lengths))
+    x = torch.randn(sum(lengths), d, generator=gen).to(dtype).to(DEV)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                      device=DEV)
+    slots = _slots(n, n + 1, seed=4)
+    offsets = torch.tensor([ln // 2 for ln in lengths], dtype=torch.int32, device=DEV)
+    track = torch.arange(n + 1, 2 * n + 1, dtype=torch.int32, device=DEV)
+    track[::3] = 0  # no tracking for these
+    ref = state.clone()
+    y = causal_conv1d_prefill(x, weight, bias, state, cu, slots, offsets, track)
+    y_ref = conv1d_prefill_ref(x, weight, bias, ref, cu, slots, offsets, track)
+    torch.testing.assert_close(y, y_ref, atol=1e-2, rtol=1e-2)
+    assert torch.equal(state, ref)

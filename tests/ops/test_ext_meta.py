@@ -1,0 +1,47 @@
+"""The extension's op schemas and Meta (fake) implementations, checked on CPU with meta tensors
+(what torch.compile and graph tracing see)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.ops._ext import extension_loaded
+
+pytestmark = pytest.mark.skipif(not extension_loaded(), reason="deltaserve._C is not built")
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+def test_gdn_ops_report_output_shapes_and_dtypes_on_meta_tensors():
+    f32, i32 = torch.float32, torch.int32
+    n, r, h, hv, k = 3, 4, 2, 4, 64
+    ops = torch.ops.deltaserve
+    o = ops.gdn_decode(meta(n, h, k), meta(n, h, k), meta(n, hv, k), meta(n, hv), meta(n, hv),
+                       meta(hv, dtype=f32), meta(hv, dtype=f32), meta(9, hv, k, k, dtype=f32),
+                       meta(n, dtype=i32), 0.125)
+    assert o.shape == (n, hv, k) and o.dtype == torch.bfloat16 and o.is_meta
+    stash = [meta(2, n, r, h, k, dtype=f32), meta(2, n, r, hv, k, dtype=f32),
+             meta(2, n, r, hv, dtype=f32), meta(2, n, r, hv, dtype=f32)]
+    o = ops.gdn_verify(meta(n, r, h, k), meta(n, r, h, k), meta(n, r, hv, k), meta(n, r, hv),
+                       meta(n, r, hv), meta(hv, dtype=f32), meta(hv, dtype=f32),
+                       meta(9, hv, k, k, dtype=f32), meta(n, dtype=i32), 0.125, *stash, 1)
+    assert o.shape == (n, r, hv, k)
+    ops.gdn_replay(*stash, meta(2, 9, hv, k, k, dtype=f32), meta(n, dtype=i32),
+                   meta(n, dtype=i32))
+
+
+def test_conv_and_snapshot_ops_accept_meta_tensors():
+    ops, i32 = torch.ops.deltaserve, torch.int32
+    y = ops.causal_conv1d_prefill(meta(10, 64), meta(64, 4), None, meta(5, 3, 64),
+                                  meta(3, dtype=i32), meta(2, dtype=i32), None, None)
+    assert y.shape == (10, 64)
+    assert ops.causal_conv1d_update(meta(2, 64), meta(64, 4), meta(64), meta(5, 3, 64),
+                                    meta(2, dtype=i32)).shape == (2, 64)
+    assert ops.causal_conv1d_verify(meta(2, 3, 64), meta(64, 4), None, meta(5, 3, 64),
+                                    meta(2, dtype=i32)).shape == (2, 3, 64)
+    ops.causal_conv1d_commit(meta(2, 3, 64), meta(5, 3, 64), meta(2, dtype=i32),
+                             meta(2, dtype=i32))
+    ops.snapshot_copy(meta(2, 5, 8), meta(2, 5, 8), [1], [2])
