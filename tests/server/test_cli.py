@@ -71,6 +71,15 @@ def test_generate_with_chat_prints_one_answer_per_prompt(tiny_model, capsys):
 
 
 @pytest.mark.slow
+def test_generate_without_model_uses_the_embedded_default_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DELTASERVE_CACHE", str(tmp_path))  # the random stand-in is built here
+    code = main(["--log-level", "WARNING", "generate", "--device", "cpu", "--max-tokens", "3",
+                 "--ignore-eos", "Hello"])
+    assert code == 0
+    assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.slow
 def test_serve_answers_on_a_free_port_and_stops_on_sigint(tiny_model):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(

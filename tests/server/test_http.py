@@ -3,6 +3,7 @@ OpenAI error objects, client disconnects, cache flush, metrics, models and healt
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -131,6 +132,20 @@ def test_a_repeated_long_prompt_is_served_from_the_prefix_cache_with_equal_outpu
     second = client.post("/v1/completions", json=request).json()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_concurrent_requests_are_batched_and_match_their_sequential_outputs(client, served):
+    prompts = ["The sky is", "Numbers: 1, 2, 3", "def main():", "Dear friend,"]
+    requests = [{"prompt": p, "max_tokens": 8, **GREEDY} for p in prompts]
+    alone = [client.post("/v1/completions", json=r).json()["choices"][0]["text"]
+             for r in requests]
+
+    async def together() -> list[str]:
+        async with httpx.AsyncClient(base_url=served.base_url, timeout=30) as c:
+            rs = await asyncio.gather(*(c.post("/v1/completions", json=r) for r in requests))
+        return [r.json()["choices"][0]["text"] for r in rs]
+
+    assert asyncio.run(together()) == alone
 
 
 def test_a_prompt_over_the_context_limit_is_a_400_naming_the_field(client):

@@ -86,7 +86,8 @@ class AsyncEngine:
         self.model_name: str = model_name or engine.model_name
         self.max_model_len: int = engine.max_model_len
         self._cond = threading.Condition()
-        self._commands: list[Callable[[], None]] = []  # guarded by _cond
+        # (command, future for its result or None): guarded by _cond
+        self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future | None]] = []
         self._streams: dict[int, RequestStream] = {}  # guarded by _cond
         self._stopping = False  # guarded by _cond
         self._rids = itertools.count(1)
@@ -161,27 +162,29 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     def _enqueue(self, fn: Callable[[], Any], future: concurrent.futures.Future | None) -> None:
-        def command() -> None:
-            if future is not None and not future.set_running_or_notify_cancel():
-                return
-            try:
-                result = fn()
-            except BaseException as e:  # delivered to the caller, never kills the loop
-                if future is None:
-                    logger.exception("engine command failed")
-                else:
-                    future.set_exception(e)
-            else:
-                if future is not None:
-                    future.set_result(result)
-
         with self._cond:
             if self._stopping:
                 if future is not None:
                     future.set_exception(EngineDeadError("the engine is shut down"))
                 return
-            self._commands.append(command)
+            self._commands.append((fn, future))
             self._cond.notify()
+
+    @staticmethod
+    def _execute(fn: Callable[[], Any], future: concurrent.futures.Future | None) -> None:
+        """Run one command on the loop thread; its error goes to the caller, never up."""
+        if future is not None and not future.set_running_or_notify_cancel():
+            return  # the caller gave up (cancelled) before the command ran
+        try:
+            result = fn()
+        except BaseException as e:
+            if future is None:
+                logger.exception("engine command failed")
+            else:
+                future.set_exception(e)
+        else:
+            if future is not None:
+                future.set_result(result)
 
     # -- loop thread -----------------------------------------------------------------------
 
@@ -194,8 +197,8 @@ class AsyncEngine:
                 if self._stopping:
                     break
                 commands, self._commands = self._commands, []
-            for command in commands:
-                command()
+            for fn, future in commands:
+                self._execute(fn, future)
             try:
                 busy = self.engine.has_unfinished()
                 if busy:
@@ -234,10 +237,11 @@ class AsyncEngine:
                 logger.exception("abort of request %d failed", stream.rid)
 
     def _close(self) -> None:
-        """After the loop: fail pending commands and requests, abort what is still running."""
+        """After the loop: refuse pending commands, fail and abort the requests in flight."""
         with self._cond:
             commands, self._commands = self._commands, []
-        for command in commands:  # aborts still run; adds are refused
-            command()
+        for _, future in commands:
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError("the engine was shut down"))
         self._fail_all(EngineDeadError("the engine was shut down"))
         logger.info("engine thread stopped")
