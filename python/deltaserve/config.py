@@ -44,3 +44,7 @@ class EngineConfig:
             raise ValueError("dtype must be one of auto, bfloat16, float16, float32")
         if self.speculative_algorithm not in (None, "mtp", "ngram"):
             raise ValueError("speculative_algorithm must be one of mtp, ngram")
+        if self.speculative_algorithm is not None and not 1 <= self.speculative_num_steps <= 8:
+            raise ValueError("speculative_num_steps must be in 1..8 with a speculative algorithm")
+        if self.speculative_algorithm is None and self.speculative_num_steps:
+            raise ValueError("speculative_num_steps needs --speculative-algorithm")

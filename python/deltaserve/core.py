@@ -182,13 +182,17 @@ class Batch:
     """The requests one forward runs and the rows each contributes.
 
     `extend_lens[i]` rows of `reqs[i]` start at position `reqs[i].device_len`; a decode batch has
-    one row per request, a verify batch `rows_per_req` (k+1) rows per request.
+    one row per request, a verify batch `rows_per_req` (k+1) rows per request: the pending token
+    then `draft_ids[i]` (k tokens; only the first `num_drafts[i]` are real proposals, the rest
+    pad the row count and are never accepted).
     """
 
     phase: Phase
     reqs: list[Req]
     extend_lens: list[int]
     rows_per_req: int = 1
+    draft_ids: list[list[int]] | None = None
+    num_drafts: list[int] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.reqs) == len(self.extend_lens) and self.reqs
@@ -238,8 +242,8 @@ class GDNBackend(Protocol):
 class ForwardContext:
     """Passed to `model.forward`; never a module global.
 
-    positions [T] int64: absolute position of each row. `hidden_sink`, when set, receives the
-    final hidden states (before the final norm is not needed: after it) for MTP proposers.
+    positions [T] int64: absolute position of each row. `hidden_sink`, when set, is called with
+    the final hidden states [T, hidden] (after the final norm), for MTP proposers.
     """
 
     positions: torch.Tensor

@@ -2,7 +2,9 @@
 
 Prefill rows go through the varlen conv and the chunked rule (initial state from each request's
 live slot, final state written back); decode rows through the one-row conv update and
-`gdn_decode`, both updating the slot in place.
+`gdn_decode`, both updating the slot in place. Verify rows (k+1 per request) read the slot
+only: `causal_conv1d_verify` and `gdn_verify`, which stashes each row's recurrence inputs;
+the conv inputs are kept in `conv_inputs`. `commit` then applies the accepted rows.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from deltaserve.ops import conv1d, gdn
 
 @dataclass
 class GDNMetadata:
-    """phase; slots [N] int32 (live slot per request); cu_seqlens [N+1] int32 (prefill rows)."""
+    """phase; slots [N] int32 (live slot per request); cu_seqlens [N+1] int32 (prefill rows);
+    rows_per_req and stash (verify)."""
 
     phase: Phase
     slots: torch.Tensor
     cu_seqlens: torch.Tensor
+    rows_per_req: int = 1
+    stash: gdn.GDNStash | None = None
 
 
 class PoolGDNBackend:
@@ -30,6 +35,7 @@ class PoolGDNBackend:
 
     def __init__(self, pool: GDNStatePool, meta: GDNMetadata) -> None:
         self.pool, self.meta = pool, meta
+        self.conv_inputs: dict[int, torch.Tensor] = {}  # gdn_id -> verify inputs [N, R, D]
 
     def forward(self, layer, mixed_qkv: torch.Tensor, a: torch.Tensor,
                 b: torch.Tensor) -> torch.Tensor:
@@ -37,9 +43,15 @@ class PoolGDNBackend:
         conv_state = self.pool.conv[gid]
         state = self.pool.recurrent[gid]
         bias = getattr(layer, "conv_bias", None)
+        n_rows = meta.rows_per_req
         if meta.phase is Phase.PREFILL:
             y = conv1d.causal_conv1d_prefill(mixed_qkv, layer.conv_weight, bias, conv_state,
                                              meta.cu_seqlens, meta.slots)
+        elif meta.phase is Phase.VERIFY:
+            x = mixed_qkv.view(-1, n_rows, mixed_qkv.shape[-1])
+            self.conv_inputs[gid] = x
+            y = conv1d.causal_conv1d_verify(x, layer.conv_weight, bias, conv_state,
+                                            meta.slots).view(-1, x.shape[-1])
         else:
             y = conv1d.causal_conv1d_update(mixed_qkv, layer.conv_weight, bias, conv_state,
                                             meta.slots)
@@ -54,5 +66,19 @@ class PoolGDNBackend:
             o, final = gdn.gdn_prefill(q, k, v, g, beta, state[slots], meta.cu_seqlens, scale)
             state[slots] = final
             return o
+        if meta.phase is Phase.VERIFY:
+            n = meta.slots.shape[0]
+            o = gdn.gdn_verify(q.reshape(n, n_rows, h, dk), k.reshape(n, n_rows, h, dk),
+                               v.reshape(n, n_rows, hv, dv), a.reshape(n, n_rows, hv),
+                               b.reshape(n, n_rows, hv), layer.A_log, layer.dt_bias, state,
+                               meta.slots, scale, meta.stash, gid)
+            return o.reshape(-1, hv, dv)
         return gdn.gdn_decode(q, k, v, a, b, layer.A_log, layer.dt_bias, state, meta.slots,
                               scale)
+
+    def commit(self, accepted: torch.Tensor) -> None:
+        """Apply the first accepted[i] verify rows of request i (int32 [N], 0..R) to its live
+        GDN state and conv windows, in every layer: bitwise what that many decode steps give."""
+        gdn.gdn_replay(self.meta.stash, self.pool.recurrent, self.meta.slots, accepted)
+        for gid, x in self.conv_inputs.items():
+            conv1d.causal_conv1d_commit(x, self.pool.conv[gid], self.meta.slots, accepted)

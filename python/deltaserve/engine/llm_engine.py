@@ -20,6 +20,7 @@ from deltaserve.engine.attention import PagedKVCache
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.sampling import SamplingRow, sample_rows
+from deltaserve.engine.spec_protocol import load_spec_runtime
 from deltaserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("deltaserve.engine")
@@ -72,6 +73,8 @@ class LLMEngine:
         from deltaserve.model.loader import load_model
 
         cfg.validate()
+        if cfg.speculative_algorithm is not None:
+            cfg.decode_rows_per_req = cfg.speculative_num_steps + 1
         self.cfg = cfg
         if cfg.model is None:
             from deltaserve.default_model import default_model_path
@@ -91,9 +94,14 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self._build_caches()
+        self.runner = ModelRunner(self.model, self.kv, self.state_pool, self.device,
+                                  cfg.max_running_reqs, cfg.decode_rows_per_req)
+        self.spec = load_spec_runtime(cfg, self.model, self.runner)
         self.scheduler = Scheduler(cfg, self.page_pool, self.state_pool, self.prefix_cache,
-                                   self.eos_ids)
-        self.runner = ModelRunner(self.model, self.kv, self.state_pool, self.device)
+                                   self.eos_ids,
+                                   on_release=self.spec.release if self.spec else None)
+        self.spec_steps = 0
+        self.spec_committed = 0
         self._rids = itertools.count()
         self._reqs: dict[int, Req] = {}
         self.num_steps = 0
@@ -172,15 +180,25 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        out = self.runner.forward(batch)
-        rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator)
-                for r in out.owners]
-        tokens = sample_rows(out.logits, rows) if rows else []
-        sampled: dict[int, list[int]] = {}
-        for req, tok in zip(out.owners, tokens):
-            sampled.setdefault(req.rid, []).append(tok)
+        spec = self.spec
+        if batch.phase is Phase.VERIFY:
+            spec.propose(batch)
+        out = self.runner.forward(batch, keep_hidden=spec is not None and spec.wants_hidden)
+        if spec is not None:
+            spec.on_forward(batch, out.hidden)
         before = {r.rid: len(r.output_ids) for r in batch.reqs}
-        self.scheduler.process(batch, sampled)
+        if batch.phase is Phase.VERIFY:
+            sampled = spec.accept(batch, out.logits)
+            self.scheduler.process(batch, sampled,
+                                   commit_rows=lambda counts: self._commit_verify(batch, counts))
+        else:
+            rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator)
+                    for r in out.owners]
+            tokens = sample_rows(out.logits, rows) if rows else []
+            sampled = {}
+            for req, tok in zip(out.owners, tokens):
+                sampled.setdefault(req.rid, []).append(tok)
+            self.scheduler.process(batch, sampled)
         self.num_steps += 1
         self._log_step(batch)
         outputs = []
@@ -202,6 +220,18 @@ class LLMEngine:
             if req.finished:
                 self._reqs.pop(req.rid, None)
         return outputs
+
+    def _commit_verify(self, batch, counts: list[int]) -> None:
+        self.runner.commit_verify(counts)
+        self.spec.on_commit(batch, counts)
+        live = [c for c in counts if c > 0]
+        self.spec_steps += len(live)
+        self.spec_committed += sum(live)
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Mean tokens committed per request per verify step (accepted drafts + 1)."""
+        return self.spec_committed / self.spec_steps if self.spec_steps else None
 
     def _log_step(self, batch) -> None:
         every = self.cfg.log_every

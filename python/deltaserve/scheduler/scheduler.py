@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from deltaserve.core import Batch, FinishReason, Phase, Req, ReqStatus
@@ -31,13 +32,15 @@ class Scheduler:
     """Owns the waiting queue, the running set and every request's pages and slots."""
 
     def __init__(self, cfg: EngineConfig, page_pool: PagePool, state_pool: GDNStatePool,
-                 cache: PrefixCache, eos_ids: set[int]) -> None:
+                 cache: PrefixCache, eos_ids: set[int],
+                 on_release: Callable[[Req], None] | None = None) -> None:
         self.cfg = cfg
         self.page_pool, self.state_pool, self.cache = page_pool, state_pool, cache
         self.page_size = cfg.page_size
         self.grid = math.lcm(cfg.snapshot_grid, cfg.page_size)
         self.extra_rows = cfg.decode_rows_per_req - 1
         self.eos_ids = eos_ids
+        self.on_release = on_release
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.track_slot: dict[int, int] = {}
@@ -138,7 +141,8 @@ class Scheduler:
     # ---- batches ------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
         """Admit what fits, then return a prefill batch if any prompt is unfinished, else a
-        decode batch of every running request; None when nothing runs."""
+        decode batch of every running request (a verify batch of k+1 rows per request when
+        decode_rows_per_req > 1; each request widened by k pending rows); None when idle."""
         self._admit()
         prefill = [r for r in self.running if r.in_prefill]
         if prefill:
@@ -157,17 +161,27 @@ class Scheduler:
             return Batch(Phase.PREFILL, reqs, lens)
         if not self.running:
             return None
+        rows = self.cfg.decode_rows_per_req
         for req in self.running:
-            self._ensure_pages(req, req.device_len + self.cfg.decode_rows_per_req)
-        return Batch(Phase.DECODE, list(self.running), [1] * len(self.running))
+            self._ensure_pages(req, req.device_len + rows)
+            if rows > 1:
+                req.widen_pending(rows - 1)
+        phase = Phase.VERIFY if rows > 1 else Phase.DECODE
+        return Batch(phase, list(self.running), [rows] * len(self.running), rows_per_req=rows)
 
     # ---- results ------------------------------------------------------------------------
-    def process(self, batch: Batch, sampled: dict[int, list[int]]) -> list[Req]:
+    def process(self, batch: Batch, sampled: dict[int, list[int]],
+                commit_rows: Callable[[list[int]], None] | None = None) -> list[Req]:
         """Advance each request of `batch` past its rows and commit its sampled tokens.
 
         `sampled[rid]` holds the tokens to commit (empty for a prefill chunk that does not end
-        the prompt). Returns the requests that finished in this step (already released).
+        the prompt). For a verify batch `commit_rows(counts)` is called with the number of rows
+        each request keeps (its committed tokens) before anything is released, so the live GDN
+        state is replayed while the request still owns its slot. Returns the requests that
+        finished in this step (already released).
         """
+        if batch.phase is Phase.VERIFY:
+            return self._process_verify(batch, sampled, commit_rows)
         finished = []
         for req, n in zip(batch.reqs, batch.extend_lens):
             if req.finished:  # aborted while the step ran
@@ -184,6 +198,31 @@ class Scheduler:
                 self.release(req)
                 finished.append(req)
         return finished
+
+    def _process_verify(self, batch: Batch, sampled: dict[int, list[int]],
+                        commit_rows: Callable[[list[int]], None] | None) -> list[Req]:
+        counts = [0 if req.finished else self._commit_tokens(req, sampled[req.rid])
+                  for req in batch.reqs]
+        assert commit_rows is not None, "a verify step needs commit_rows"
+        commit_rows(counts)
+        finished = []
+        for req, n in zip(batch.reqs, counts):
+            if n == 0:  # aborted while the step ran: already released
+                continue
+            req.commit_pending(n)
+            self.rollback_tail(req)
+            if req.finished:
+                self.release(req)
+                finished.append(req)
+        return finished
+
+    def rollback_tail(self, req: Req) -> None:
+        """Free the pages that only hold KV of rejected verify rows (every page past the one
+        holding position device_len - 1); the next step allocates what it needs again."""
+        keep = self.pages_for(req.device_len)
+        if len(req.page_table) > keep:
+            self.page_pool.free(req.page_table[keep:])
+            del req.page_table[keep:]
 
     def _commit_tokens(self, req: Req, tokens: list[int]) -> int:
         """Append `tokens` in order, stopping at the first that finishes `req`; returns how
@@ -235,3 +274,5 @@ class Scheduler:
         if req.prefix_node is not None:
             self.cache.unlock(req.prefix_node)
         req.slot, req.page_table, req.prefix_node, req.snapshots = None, [], None, {}
+        if self.on_release is not None:
+            self.on_release(req)

@@ -25,12 +25,12 @@ class Proposer:
         nothing the scheduler owns."""
         raise NotImplementedError
 
-    def on_prefill(self, batch: Batch, hidden: torch.Tensor | None) -> None:
-        """After a prefill forward; `hidden` [T, hidden] when `wants_hidden`."""
+    def on_forward(self, batch: Batch, hidden: torch.Tensor | None) -> None:
+        """After any target forward (the feature sink); `hidden` [T, hidden] (after the final
+        norm) when `wants_hidden`, else None. Nothing is committed yet."""
 
-    def on_verify(self, batch: Batch, hidden: torch.Tensor | None,
-                  committed: list[int]) -> None:
-        """After a verify step: committed[i] rows of request i were kept (1..k+1)."""
+    def on_commit(self, batch: Batch, committed: list[int]) -> None:
+        """After a verify step: committed[i] of request i's k+1 rows were kept (1..k+1)."""
 
     def release(self, req: Req) -> None:
         """`req` finished or was aborted: drop whatever was kept for it."""

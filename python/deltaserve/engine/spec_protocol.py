@@ -1,0 +1,49 @@
+"""What the engine sees of speculative decoding: the SpecRuntime protocol, loaded by name.
+
+The engine never imports `deltaserve.spec`; `load_spec_runtime` imports `deltaserve.spec.runner`
+only when `--speculative-algorithm` is set.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from deltaserve.config import EngineConfig
+    from deltaserve.core import Batch, Req
+
+
+class SpecRuntime(Protocol):
+    """The target side of a verify step, as the engine drives it."""
+
+    num_steps: int  # k: drafts per request per verify step
+    wants_hidden: bool  # the proposer reads the target's final hidden states
+
+    def propose(self, batch: Batch) -> None:
+        """Fill `batch.draft_ids` (k per request, padded) and `batch.num_drafts`."""
+
+    def accept(self, batch: Batch, logits: torch.Tensor) -> dict[int, list[int]]:
+        """Tokens to commit per request id from the verify logits [N * (k+1), V] (fp32)."""
+
+    def on_forward(self, batch: Batch, hidden: torch.Tensor | None) -> None:
+        """After the target's forward of any batch (prefill, decode or verify)."""
+
+    def on_commit(self, batch: Batch, committed: list[int]) -> None:
+        """After a verify step: committed[i] rows of request i were kept."""
+
+    def release(self, req: Req) -> None:
+        """A request finished or was aborted."""
+
+
+def load_spec_runtime(cfg: EngineConfig, model, runner) -> SpecRuntime | None:
+    """The SpecRunner for `cfg.speculative_algorithm`, or None when speculation is off.
+
+    Raises ValueError for a combination that is not supported (named in the message).
+    """
+    if cfg.speculative_algorithm is None:
+        return None
+    module = importlib.import_module("deltaserve.spec.runner")
+    return module.SpecRunner.build(cfg, model, runner)
