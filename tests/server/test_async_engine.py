@@ -7,8 +7,8 @@ import asyncio
 import time
 
 import pytest
+from live_server import MAX_MODEL_LEN, make_engine
 
-from conftest import MAX_MODEL_LEN, make_engine
 from deltaserve.core import SamplingParams
 from deltaserve.server.async_engine import AsyncEngine, EngineDeadError
 

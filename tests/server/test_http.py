@@ -8,9 +8,8 @@ import json
 import time
 
 import httpx
+from live_server import MAX_MODEL_LEN
 from prometheus_client.parser import text_string_to_metric_families
-
-from conftest import MAX_MODEL_LEN
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 

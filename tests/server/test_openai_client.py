@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-
-from conftest import MAX_MODEL_LEN
+from live_server import MAX_MODEL_LEN
 
 GREEDY_EXTRA = {"ignore_eos": True}
 
