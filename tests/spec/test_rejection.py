@@ -1,0 +1,82 @@
+"""Rejection sampling for argmax drafts reproduces the target distribution; each verify row uses
+its own request's parameters; penalties count the drafts before a row as generated."""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.core import SamplingParams
+from deltaserve.engine.sampling import SamplingRow
+from deltaserve.spec.rejection import accept_drafts
+
+# chi-square critical value, 5 degrees of freedom, p = 0.001
+CHI2_CRIT_DF5 = 20.52
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_committed_tokens_follow_the_target_distribution_at_temperature_one():
+    gen = torch.Generator().manual_seed(1234)
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, 0.2, 0.8],
+                           [0.0, 1.5, 0.3, 0.3, -1.0, 0.1],
+                           [0.2, 0.2, 0.2, 0.9, 0.0, -0.3]])
+    params = SamplingParams(temperature=1.0)
+    drafts = [1, 3]  # the draft is not the most likely token at row 0
+    first = torch.zeros(6)
+    second_given_accept = torch.zeros(6)
+    trials = 20000
+    for _ in range(trials):
+        base = SamplingRow(params, [7], [], gen)
+        out = accept_drafts(logits, base, drafts)
+        first[out[0]] += 1
+        if out[0] == drafts[0]:
+            second_given_accept[out[1]] += 1
+    p0 = torch.softmax(logits[0], -1)
+    p1 = torch.softmax(logits[1], -1)
+    assert chi_square(first, p0) < CHI2_CRIT_DF5
+    assert chi_square(second_given_accept, p1) < CHI2_CRIT_DF5
+    # the draft was accepted about as often as the target samples it
+    assert abs(first[1] / trials - p0[1]) < 0.015
+
+
+def test_greedy_drafts_are_accepted_by_prefix_match():
+    logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 5.0], [5.0, 0.0, 0.0]])
+    greedy = SamplingRow(SamplingParams(temperature=0.0), [0], [], None)
+    assert accept_drafts(logits, greedy, [1, 2]) == [1, 2, 0]
+    assert accept_drafts(logits, greedy, [1, 0]) == [1, 2]
+    assert accept_drafts(logits, greedy, [2, 2]) == [1]
+    assert accept_drafts(logits, greedy, []) == [1]
+
+
+def test_each_row_uses_its_own_requests_top_k():
+    from deltaserve.core import Batch, Phase, Req
+    from deltaserve.spec.runner import SpecRunner
+    from deltaserve.spec.proposer import Proposer
+
+    logits = torch.tensor([[0.0, 3.0, 2.9, 0.0]] * 4)
+    greedy = Req(0, [1], SamplingParams(temperature=0.0), max_len=10)
+    wide = Req(1, [1], SamplingParams(temperature=1.0, top_k=2, seed=3), max_len=10)
+    wide.generator = torch.Generator().manual_seed(3)
+    batch = Batch(Phase.VERIFY, [greedy, wide], [2, 2], rows_per_req=2,
+                  draft_ids=[[2], [0]], num_drafts=[1, 1])
+    runner = SpecRunner(Proposer(), 1)
+    seen = set()
+    for _ in range(40):
+        out = runner.accept(batch, logits)
+        assert out[0] == [1]  # greedy: draft 2 rejected, argmax 1 committed
+        assert out[1][0] in (1, 2)  # top-2 only: draft 0 can never be accepted
+        seen.add(out[1][0])
+    assert seen == {1, 2}
+
+
+def test_penalties_count_the_drafts_before_a_row():
+    # row 1 prefers token 2 unless token 2 (drafted at row 0) is penalised as generated
+    logits = torch.tensor([[0.0, 0.0, 4.0, 0.0], [0.0, 0.0, 3.0, 2.5], [1.0, 0.0, 0.0, 0.0]])
+    params = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    base = SamplingRow(params, [0], [], None)
+    assert accept_drafts(logits, base, [2, 2]) == [2, 3]
+    plain = SamplingRow(SamplingParams(temperature=0.0), [0], [], None)
+    assert accept_drafts(logits, plain, [2, 2]) == [2, 2, 0]
