@@ -29,6 +29,7 @@ class EngineConfig:
     decode_rows_per_req: int = 1  # k + 1 with speculative decoding
     speculative_algorithm: str | None = None  # mtp | ngram
     speculative_num_steps: int = 0
+    radix_lookahead: bool | None = None  # lookahead radix keys; None: on exactly for mtp
     cuda_graphs: bool = True
     log_every: int = 0  # step log line every N steps; 0 = off
 

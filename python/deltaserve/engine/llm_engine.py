@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.cache.lookahead import lookahead_keys
 from deltaserve.cache.page_pool import PagePool
 from deltaserve.cache.prefix_cache import PrefixCache
 from deltaserve.cache.state_pool import GDNStatePool
@@ -75,6 +76,9 @@ class LLMEngine:
         cfg.validate()
         if cfg.speculative_algorithm is not None:
             cfg.decode_rows_per_req = cfg.speculative_num_steps + 1
+        if cfg.radix_lookahead is None:
+            # the MTP head's draft KV at position i depends on t_{i+1}
+            cfg.radix_lookahead = cfg.speculative_algorithm == "mtp"
         self.cfg = cfg
         if cfg.model is None:
             from deltaserve.default_model import default_model_path
@@ -132,7 +136,8 @@ class LLMEngine:
             mc.linear_key_head_dim, mc.conv_dim, mc.linear_conv_kernel_dim, self.device,
             self.dtype)
         self.prefix_cache = PrefixCache(self.page_pool, self.state_pool, cfg.page_size,
-                                        grid=math.lcm(cfg.snapshot_grid, cfg.page_size))
+                                        grid=math.lcm(cfg.snapshot_grid, cfg.page_size),
+                                        key_fn=lookahead_keys if cfg.radix_lookahead else None)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,

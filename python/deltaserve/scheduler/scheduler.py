@@ -262,8 +262,9 @@ class Scheduler:
             if req.device_len % self.grid == 0 and req.device_len > 0 \
                     and req.device_len not in snaps:
                 snaps[req.device_len] = req.slot
-            result = self.cache.insert(req.all_ids[: n_pages * self.page_size],
-                                       req.page_table[:n_pages], snaps)
+            # with lookahead keys the last cached position pairs with the token after it
+            n_ids = n_pages * self.page_size + (1 if self.cfg.radix_lookahead else 0)
+            result = self.cache.insert(req.all_ids[:n_ids], req.page_table[:n_pages], snaps)
             self.page_pool.free(list(result.freed_pages) + req.page_table[n_pages:])
             taken = set(snaps.values()) - set(result.unused_slots)
             slots_left = [s for s in slots_left if s not in taken]

@@ -1,0 +1,81 @@
+"""Speculation with stops and the prefix cache: nothing after a stop is returned or cached, a
+follow-up turn built from what was returned gets its full prefix hit, lookahead keys keep
+multi-turn outputs exact."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.model.testing import make_tiny_checkpoint
+from deltaserve.spec.proposer import Proposer
+
+
+class OracleProposer(Proposer):
+    """Drafts the known greedy continuation of each prompt (every draft right)."""
+
+    def __init__(self, k: int, refs: dict[tuple[int, ...], list[int]]) -> None:
+        self.num_steps, self.refs = k, refs
+
+    def propose(self, reqs):
+        return [self.refs.get(tuple(r.prompt_ids), [])[len(r.output_ids):][:self.num_steps]
+                for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("fin") / "m", "qwen3_5_text",
+                                    seed=6))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(500) for _ in range(n)]
+
+
+def llm(ckpt: str, **kw) -> LLM:
+    return LLM(ckpt, device="cpu", dtype="float32", num_pages=1024, page_size=16, **kw)
+
+
+def test_a_stop_token_inside_accepted_drafts_ends_the_output_and_the_cached_path(ckpt):
+    prompt = tokens(124, seed=1)  # 124 + 5 returned - 1 = 128 tokens processed: on the grid
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain = llm(ckpt).generate([prompt], greedy)[0].token_ids
+    stop_at = next(i for i in range(4, 20) if plain[i] not in plain[:i])
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                            stop_token_ids=[plain[stop_at]])
+    spec = llm(ckpt, speculative_algorithm="ngram", speculative_num_steps=4)
+    spec.engine.spec.proposer = OracleProposer(4, {tuple(prompt): plain})
+    (out,) = spec.generate([prompt], params)
+    assert out.token_ids == plain[:stop_at + 1]
+    assert out.finish_reason == "stop"
+    # the follow-up turn is built from what was returned; the cache must hold exactly that
+    follow = prompt + out.token_ids + tokens(9, seed=2)
+    (turn2,) = spec.generate([follow], greedy)
+    processed = len(prompt) + len(out.token_ids) - 1
+    assert turn2.cached_tokens == (processed // 64) * 64
+    cold = llm(ckpt, enable_prefix_cache=False).generate([follow], greedy)[0]
+    assert turn2.token_ids == cold.token_ids
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_turns_a_b_a_with_speculation_match_the_cache_off(ckpt, lookahead):
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    a1, b1 = tokens(140, seed=3), tokens(150, seed=4)
+    cold = llm(ckpt, enable_prefix_cache=False)
+    spec = llm(ckpt, speculative_algorithm="ngram", speculative_num_steps=3,
+               radix_lookahead=lookahead)
+    ra = spec.generate([a1], greedy)[0]
+    rb = spec.generate([b1], greedy)[0]
+    a2 = a1 + ra.token_ids + tokens(20, seed=5)
+    ra2 = spec.generate([a2], greedy)[0]
+    assert ra2.cached_tokens == 128
+    for prompt, got in ((a1, ra), (b1, rb), (a2, ra2)):
+        assert got.token_ids == cold.generate([prompt], greedy)[0].token_ids
+    eng = spec.engine
+    eng.flush_cache()
+    status = eng.cache_status()
+    assert status["pages_free"] == status["pages_total"]
+    assert status["slots_free"] == status["slots_total"]
