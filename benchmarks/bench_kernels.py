@@ -196,8 +196,9 @@ def main() -> None:
     print(header)
     for n in [int(x) for x in args.batches.split(",")]:
         row = bench_gdn(n, args.rows)
-        row.update(bench_conv(n, args.rows))
-        row["bytes"] = {**row["bytes"]}
+        conv = bench_conv(n, args.rows)
+        row["bytes"].update(conv.pop("bytes"))
+        row.update(conv)
         if n <= args.fla_max_batch:
             try:
                 row.update(bench_fla(n, args.rows))
