@@ -10,10 +10,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from oracle import assert_same_greedy, assert_same_runs, reference_greedy
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
+from oracle import assert_same_greedy, assert_same_runs, reference_greedy
 
 pytestmark = pytest.mark.gpu
 

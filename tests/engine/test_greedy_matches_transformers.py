@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from oracle import assert_same_greedy, reference_greedy
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
+from oracle import assert_same_greedy, reference_greedy
 
 MAX_NEW = 10
 PROMPT_LENS = (1, 7, 70, 150)

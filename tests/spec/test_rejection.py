@@ -53,8 +53,8 @@ def test_greedy_drafts_are_accepted_by_prefix_match():
 
 def test_each_row_uses_its_own_requests_top_k():
     from deltaserve.core import Batch, Phase, Req
-    from deltaserve.spec.runner import SpecRunner
     from deltaserve.spec.proposer import Proposer
+    from deltaserve.spec.runner import SpecRunner
 
     logits = torch.tensor([[0.0, 3.0, 2.9, 0.0]] * 4)
     greedy = Req(0, [1], SamplingParams(temperature=0.0), max_len=10)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from oracle import assert_same_runs, reference_greedy
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
 from deltaserve.spec.proposer import Proposer
+from oracle import assert_same_runs, reference_greedy
 
 MAX_NEW = 24
 

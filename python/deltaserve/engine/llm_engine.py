@@ -99,7 +99,8 @@ class LLMEngine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self._build_caches()
         self.runner = ModelRunner(self.model, self.kv, self.state_pool, self.device,
-                                  cfg.max_running_reqs, cfg.decode_rows_per_req)
+                                  cfg.max_running_reqs, cfg.decode_rows_per_req,
+                                  draft_kv=self.draft_kv)
         self.spec = load_spec_runtime(cfg, self.model, self.runner)
         self.scheduler = Scheduler(cfg, self.page_pool, self.state_pool, self.prefix_cache,
                                    self.eos_ids,
@@ -114,10 +115,13 @@ class LLMEngine:
     def _build_caches(self) -> None:
         cfg, mc = self.cfg, self.model.config
         attn_layers = list(mc.attention_layer_ids)
+        # the MTP head's draft KV: a parallel pool indexed by the target's page ids
+        draft_layers = list(mc.mtp_layer_ids) if cfg.speculative_algorithm == "mtp" else []
         if cfg.num_pages is not None:
             num_pages = cfg.num_pages
         else:
-            per_page = PagedKVCache.bytes_per_page(len(attn_layers), cfg.page_size,
+            per_page = PagedKVCache.bytes_per_page(len(attn_layers) + len(draft_layers),
+                                                   cfg.page_size,
                                                    mc.num_key_value_heads, mc.head_dim,
                                                    self.dtype)
             num_pages = max(2, int(cfg.kv_memory_gb * 2**30) // per_page)
@@ -127,6 +131,9 @@ class LLMEngine:
             num_pages = min(num_pages, cap)
         self.kv = PagedKVCache(attn_layers, num_pages, cfg.page_size, mc.num_key_value_heads,
                                mc.head_dim, self.dtype, self.device)
+        self.draft_kv = (PagedKVCache(draft_layers, num_pages, cfg.page_size,
+                                      mc.num_key_value_heads, mc.head_dim, self.dtype,
+                                      self.device) if draft_layers else None)
         self.page_pool = PagePool(num_pages, cfg.page_size)
         snapshot_slots = (cfg.num_snapshot_slots if cfg.num_snapshot_slots is not None
                           else 2 * cfg.max_running_reqs)

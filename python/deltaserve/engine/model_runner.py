@@ -26,8 +26,10 @@ class ModelRunner:
     """Owns the model and the device-side caches (paged KV, GDN state pool, verify stash)."""
 
     def __init__(self, model, kv: PagedKVCache, state_pool, device: torch.device,
-                 max_reqs: int, rows_per_req: int = 1) -> None:
+                 max_reqs: int, rows_per_req: int = 1,
+                 draft_kv: PagedKVCache | None = None) -> None:
         self.model, self.kv, self.state_pool, self.device = model, kv, state_pool, device
+        self.draft_kv = draft_kv
         self.stash = None
         if rows_per_req > 1:
             c = model.config

@@ -252,6 +252,8 @@ class Scheduler:
         assert req.status is ReqStatus.FINISHED
         if req in self.running:
             self.running.remove(req)
+        if self.on_release is not None:  # first: a proposer may finish the KV the cache keeps
+            self.on_release(req)
         track = self.track_slot.pop(req.rid, None)
         self.snapshot_depth.pop(req.rid, None)
         owned_from = req.cached_len // self.page_size  # pages before this came from the tree
@@ -275,5 +277,3 @@ class Scheduler:
         if req.prefix_node is not None:
             self.cache.unlock(req.prefix_node)
         req.slot, req.page_table, req.prefix_node, req.snapshots = None, [], None, {}
-        if self.on_release is not None:
-            self.on_release(req)
