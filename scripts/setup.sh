@@ -12,5 +12,12 @@ fi
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda
 fi
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+  # build for this machine's GPU only (sm_90 where there is none: what CI compile-checks)
+  TORCH_CUDA_ARCH_LIST=$(.venv/bin/python -c 'import torch
+c = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+print(f"{c[0]}.{c[1]}")')
+  export TORCH_CUDA_ARCH_LIST
+fi
 .venv/bin/pip install -q --no-build-isolation -e ".[test]"
 echo "deltaserve is installed in $(pwd)/.venv"
