@@ -21,7 +21,8 @@ from deltaserve import LLM, SamplingParams
 
 REPETITIVE = ("def add(a, b):\n    return a + b\n\n\n"
               "def sub(a, b):\n    return a - b\n\n\n"
-              "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n")
+              "class Point:\n    def __init__(self, x, y):\n"
+              "        self.x = x\n        self.y = y\n")
 
 
 def workload(llm: LLM, batch: int, vocab: int) -> list[list[int]]:

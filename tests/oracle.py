@@ -74,13 +74,14 @@ def assert_same_greedy(ours: list[int], ref: Reference, what: str,
     assert len(ours) == len(ref.tokens), f"{what}: {len(ours)} tokens vs {len(ref.tokens)}"
 
 
-def assert_same_runs(a: list[int], b: list[int], ref: Reference, what: str) -> None:
+def assert_same_runs(a: list[int], b: list[int], ref: Reference, what: str,
+                     eps: float = NEAR_TIE_EPS) -> None:
     """Two deltaserve runs must agree with each other exactly unless both are explained by the
     reference's near tie at the point they part."""
     if a == b:
         return
     i = next(j for j in range(min(len(a), len(b))) if a[j] != b[j])
-    if i < len(ref.gaps) and ref.gaps[i] < NEAR_TIE_EPS and a[:i] == ref.tokens[:i]:
+    if i < len(ref.gaps) and ref.gaps[i] < eps and a[:i] == ref.tokens[:i]:
         warnings.warn(NearTieWarning(f"{what}: runs part at token {i} on a near tie"),
                       stacklevel=2)
         return

@@ -76,6 +76,35 @@ class AttentionMetadata:
         return cls(torch.cat(write).to(device), gather.to(device), row_index.to(device),
                    mask.to(device))
 
+    @classmethod
+    def build_padded(cls, page_tables: list[list[int]], starts: list[int], rows: int,
+                     page_size: int, num_reqs: int, kv_len: int) -> AttentionMetadata:
+        """Fixed-shape metadata on the host for a CUDA graph of `num_reqs` requests x `rows`
+        rows over `kv_len` positions: real requests first, then padding requests whose rows
+        write the padding page 0 and attend only position 0 (no fully masked row: no NaN).
+        Row r of request i is flat row i * rows + r."""
+        n = len(starts)
+        assert n <= num_reqs and all(s + rows <= kv_len for s in starts)
+        gather = torch.zeros((num_reqs, kv_len), dtype=torch.long)
+        write = torch.zeros((num_reqs, rows), dtype=torch.long)
+        mask = torch.zeros((num_reqs, 1, rows, kv_len), dtype=torch.bool)
+        mask[n:, 0, :, 0] = True
+        pos = torch.arange(kv_len)
+        for i, (table, start) in enumerate(zip(page_tables, starts)):
+            end = start + rows
+            pages = torch.tensor(table, dtype=torch.long)
+            flat = pages[pos[:end] // page_size] * page_size + pos[:end] % page_size
+            gather[i, :end] = flat
+            write[i] = flat[start:]
+            mask[i, 0] = pos[None, :] <= torch.arange(start, end)[:, None]
+        row_index = torch.arange(num_reqs * rows).view(num_reqs, rows)
+        return cls(write.view(-1), gather, row_index, mask)
+
+    def copy_(self, other: AttentionMetadata) -> None:
+        """Overwrite these (static, same-shape) tensors with `other`'s values."""
+        for name in ("write_index", "gather_index", "row_index", "mask"):
+            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+
 
 class PagedAttentionBackend:
     """AttentionBackend over a PagedKVCache for one forward (see core.AttentionBackend)."""

@@ -18,6 +18,7 @@ from deltaserve.cache.state_pool import GDNStatePool
 from deltaserve.config import EngineConfig
 from deltaserve.core import Phase, Req, SamplingParams
 from deltaserve.engine.attention import PagedKVCache
+from deltaserve.engine.cuda_graph import GraphRunner
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.sampling import SamplingRow, sample_rows
@@ -102,6 +103,11 @@ class LLMEngine:
                                   cfg.max_running_reqs, cfg.decode_rows_per_req,
                                   draft_kv=self.draft_kv)
         self.spec = load_spec_runtime(cfg, self.model, self.runner)
+        self.graphs = None
+        # MoE routing syncs with the host (torch.unique): not capturable yet
+        if cfg.cuda_graphs and self.device.type == "cuda" and mc.num_experts == 0:
+            self.graphs = GraphRunner(self.runner, cfg.max_running_reqs,
+                                      cfg.decode_rows_per_req, self.max_model_len)
         self.scheduler = Scheduler(cfg, self.page_pool, self.state_pool, self.prefix_cache,
                                    self.eos_ids,
                                    on_release=self.spec.release if self.spec else None)
@@ -195,7 +201,12 @@ class LLMEngine:
         spec = self.spec
         if batch.phase is Phase.VERIFY:
             spec.propose(batch)
-        out = self.runner.forward(batch, keep_hidden=spec is not None and spec.wants_hidden)
+        keep_hidden = spec is not None and spec.wants_hidden
+        out = None
+        if self.graphs is not None and batch.phase is not Phase.PREFILL:
+            out = self.graphs.forward(batch, keep_hidden)
+        if out is None:
+            out = self.runner.forward(batch, keep_hidden)
         if spec is not None:
             spec.on_forward(batch, out.hidden)
         before = {r.rid: len(r.output_ids) for r in batch.reqs}

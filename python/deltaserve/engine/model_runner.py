@@ -94,5 +94,6 @@ class ModelRunner:
     @torch.inference_mode()
     def commit_verify(self, committed: list[int]) -> None:
         """After a verify forward: apply committed[i] rows of request i to its GDN state."""
-        accepted = torch.tensor(committed, dtype=torch.int32, device=self.device)
+        pad = self.last_gdn.meta.slots.shape[0] - len(committed)  # a graph's padding requests
+        accepted = torch.tensor(committed + [0] * pad, dtype=torch.int32, device=self.device)
         self.last_gdn.commit(accepted)

@@ -1,0 +1,129 @@
+"""CUDA graphs for decode and verify steps.
+
+One graph per (padded batch size, padded KV length) bucket, captured on first use into one
+shared memory pool. A graph runs the whole step: embeddings, every layer (paged attention over
+`kv_len` gathered positions, GDN decode or verify against the state pool), the final norm and
+the logits of every row. Inputs live in static buffers refilled before each replay; padding
+requests use the padding slot 0 and the padding page 0, so they never touch a real request.
+Outputs (logits, hidden, the verify stash and conv inputs that `commit` reads) stay valid until
+the next replay. Models whose forward syncs with the host (MoE routing) are not captured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.core import Batch, ForwardContext, Phase
+from deltaserve.engine.attention import AttentionMetadata, PagedAttentionBackend
+from deltaserve.engine.gdn_backend import GDNMetadata, PoolGDNBackend
+from deltaserve.engine.model_runner import ForwardOutput, ModelRunner
+
+
+def buckets(limit: int, start: int) -> list[int]:
+    """Powers of two from `start` up to the first one >= limit."""
+    out = [start]
+    while out[-1] < limit:
+        out.append(out[-1] * 2)
+    return out
+
+
+@dataclass
+class _Graph:
+    replay: Callable[[], object]  # the graph's replay (or, uncaptured, the eager step)
+    input_ids: torch.Tensor  # [B * R] int64
+    positions: torch.Tensor  # [B * R] int64
+    attn: AttentionMetadata  # static tensors, shapes of (B, R, L)
+    gdn: PoolGDNBackend  # holds the static slots [B] and, for verify, the conv inputs
+    hidden: torch.Tensor  # [B * R, hidden]
+    logits: torch.Tensor  # [B * R, vocab] fp32
+
+
+class GraphRunner:
+    """Replays captured graphs for decode/verify batches that fit a bucket.
+
+    With `capture=False` the same fixed-shape step runs eagerly (the CPU tests check the
+    padding that way); batch buckets never exceed `max_reqs` (the verify stash's size).
+    """
+
+    def __init__(self, runner: ModelRunner, max_reqs: int, rows: int, max_kv_len: int,
+                 capture: bool = True) -> None:
+        self.runner = runner
+        self.rows = rows
+        self.phase = Phase.VERIFY if rows > 1 else Phase.DECODE
+        self.batch_buckets = [x for x in buckets(max_reqs, 1) if x < max_reqs] + [max_reqs]
+        self.len_buckets = [n for n in buckets(max_kv_len, 256) if n <= 8192]
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.capture = capture
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def bucket(self, batch: Batch) -> tuple[int, int] | None:
+        if batch.phase is not self.phase or batch.rows_per_req != self.rows:
+            return None
+        need_len = max(r.device_len for r in batch.reqs) + self.rows
+        b = next((x for x in self.batch_buckets if x >= batch.size), None)
+        n = next((x for x in self.len_buckets if x >= need_len), None)
+        return None if b is None or n is None else (b, n)
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, keep_hidden: bool = False) -> ForwardOutput | None:
+        """Run `batch` through its bucket's graph; None when no bucket fits (run eagerly)."""
+        key = self.bucket(batch)
+        if key is None:
+            return None
+        g = self.graphs.get(key) or self._capture(*key)
+        self.graphs[key] = g
+        n, rows, runner = batch.size, self.rows, self.runner
+        ids = runner.input_ids(batch)
+        pos = [p for r in batch.reqs for p in range(r.device_len, r.device_len + rows)]
+        b = g.gdn.meta.slots.shape[0]
+        pad = b * rows - len(ids)
+        g.input_ids.copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
+        g.positions.copy_(torch.tensor(pos + [0] * pad), non_blocking=True)
+        slots = [r.slot for r in batch.reqs] + [0] * (b - n)
+        g.gdn.meta.slots.copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
+        g.attn.copy_(AttentionMetadata.build_padded(
+            [r.page_table for r in batch.reqs], [r.device_len for r in batch.reqs], rows,
+            runner.kv.page_size, b, key[1]))
+        out = g.replay()
+        if out is not None:  # uncaptured: the eager step returned fresh tensors
+            g.hidden, g.logits = out
+        runner.last_gdn = g.gdn
+        t = n * rows
+        hidden = g.hidden[:t].clone() if keep_hidden else None
+        return ForwardOutput(g.logits[:t], [r for r in batch.reqs for _ in range(rows)], hidden)
+
+    def _capture(self, b: int, kv_len: int) -> _Graph:
+        runner, rows, dev = self.runner, self.rows, self.runner.device
+        t = b * rows
+        input_ids = torch.zeros(t, dtype=torch.long, device=dev)
+        positions = torch.zeros(t, dtype=torch.long, device=dev)
+        attn = AttentionMetadata.build_padded([], [], rows, runner.kv.page_size, b, kv_len)
+        attn = AttentionMetadata(*(x.to(dev) for x in (attn.write_index, attn.gather_index,
+                                                       attn.row_index, attn.mask)))
+        meta = GDNMetadata(self.phase, torch.zeros(b, dtype=torch.int32, device=dev),
+                           torch.arange(0, t + 1, rows, dtype=torch.int32, device=dev),
+                           rows, runner.stash)
+        gdn = PoolGDNBackend(runner.state_pool, meta)
+
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            ctx = ForwardContext(positions=positions,
+                                 attn=PagedAttentionBackend(runner.kv, attn), gdn=gdn)
+            hidden = runner.model.forward(input_ids, ctx)
+            return hidden, runner.model.compute_logits(hidden).float()
+
+        if not self.capture:
+            hidden, logits = step()
+            return _Graph(step, input_ids, positions, attn, gdn, hidden, logits)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: lazy inits and autotuning happen outside the graph
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden, logits = step()
+        return _Graph(lambda: graph.replay(), input_ids, positions, attn, gdn, hidden, logits)
