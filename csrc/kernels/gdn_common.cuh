@@ -1,12 +1,20 @@
 // The GDN row step shared by gdn_decode, gdn_verify and gdn_replay.
 //
-// Thread layout: one value row of one head (S[row, :], K floats) is held by a group of
-// LANES = K/16 consecutive lanes, 16 floats per lane. Lane i of a group owns the K indices
-// (j * LANES + i) * 4 + e for j, e in 0..3, so each of its four float4 accesses is coalesced
-// across the group. Every dot product over K is a fixed fma chain per lane (j, then e
-// ascending) followed by a butterfly over the group: the same order in all three kernels, which
-// is what makes replay bitwise equal to decode.
+// Thread layout (the bitwise contract): one value row of one head (S[row, :], K floats) is held
+// by a group of LANES = K/16 consecutive lanes, 16 floats per lane. Lane i of a group owns the
+// K indices (j * LANES + i) * 4 + e for j, e in 0..3, so each of its four float4 accesses is
+// coalesced across the group. Every dot product over K is four fixed fma chains per lane (one
+// per e, j ascending), summed as (a0 + a1) + (a2 + a3), then a butterfly over the group: the
+// same order in all three kernels, which is what makes replay bitwise equal to decode.
+//
+// A thread may hold ROWS value rows (ROWS independent copies of that layout): more bytes in
+// flight per thread and interleaved chains. ROWS changes scheduling only, never the bits.
+//
+// Per-row inputs (q, k L2-normalised, decay = exp(g), beta, v) are staged once per block in
+// shared memory by the functions below, the same ones in every kernel.
 #pragma once
+
+#include <cstdlib>
 
 #include "compat.cuh"
 
@@ -15,33 +23,42 @@ namespace gdn {
 
 constexpr int kPerLane = 16;     // K elements per lane
 constexpr int kThreads = 128;    // threads per block in every GDN kernel
+constexpr int kWarps = kThreads / kWarp;
 constexpr float kL2Eps = 1e-6f;  // q, k L2 norm: x * rsqrt(sum(x^2) + eps)
+constexpr int kChunk = 8;        // verify/replay rows staged in shared memory at a time
 
 template <int K>
 struct Layout {
   static_assert(K == 64 || K == 128 || K == 256, "head_k_dim must be 64, 128 or 256");
-  static constexpr int kLanes = K / kPerLane;                     // lanes per value row
-  static constexpr int kRowsPerBlock = kThreads / kLanes;         // value rows per block
+  static constexpr int kLanes = K / kPerLane;                 // lanes per value row
+  static constexpr int kGroups = kThreads / kLanes;           // row groups per block
+  static constexpr int kNormPieces = (K / 4 + kWarp - 1) / kWarp;  // float4 pieces per lane
   DS_DEVICE static int group_lane() { return threadIdx.x % kLanes; }
-  DS_DEVICE static int block_row() { return threadIdx.x / kLanes; }
+  DS_DEVICE static int group() { return threadIdx.x / kLanes; }
   // Offset (elements) of the j-th 4-element piece this lane owns within a K-vector.
   DS_DEVICE static int piece(int lane, int j) { return (j * kLanes + lane) * 4; }
 };
 
-// Load this lane's 16 elements of a K-vector (any storage type) as floats.
-template <int K, typename T>
-DS_DEVICE void load_k(const T* __restrict__ row, int lane, float (&x)[kPerLane]) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float part[4];
-    load_vec<T, 4>(row + Layout<K>::piece(lane, j), part);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) x[j * 4 + e] = part[e];
-  }
-}
+// Value rows per block for ROWS rows per thread; row m of group g is tile row m * kGroups + g.
+template <int K, int ROWS>
+struct Tile {
+  static_assert(ROWS == 1 || ROWS == 2 || ROWS == 4, "rows per thread: 1, 2 or 4");
+  static constexpr int kRows = Layout<K>::kGroups * ROWS;
+};
 
+// Staged per-row inputs of one block (CH rows at a time; q only where an output is computed).
+template <int K, int BR, int CH, bool HAS_Q>
+struct RowSmem {
+  float q[HAS_Q ? CH : 1][K];
+  float k[CH][K];
+  float v[CH][BR];
+  float decay[CH];
+  float beta[CH];
+};
+
+// This lane's 16 elements of a K-vector of floats (global or shared), float4 loads.
 template <int K>
-DS_DEVICE void load_state(const float* __restrict__ row, int lane, float (&s)[kPerLane]) {
+DS_DEVICE void load_slice(const float* __restrict__ row, int lane, float (&s)[kPerLane]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float4 p = *reinterpret_cast<const float4*>(row + Layout<K>::piece(lane, j));
@@ -50,28 +67,61 @@ DS_DEVICE void load_state(const float* __restrict__ row, int lane, float (&s)[kP
 }
 
 template <int K>
-DS_DEVICE void store_state(float* __restrict__ row, int lane, const float (&s)[kPerLane]) {
+DS_DEVICE void store_slice(float* __restrict__ row, int lane, const float (&s)[kPerLane]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j)
     *reinterpret_cast<float4*>(row + Layout<K>::piece(lane, j)) =
         make_float4(s[j * 4 + 0], s[j * 4 + 1], s[j * 4 + 2], s[j * 4 + 3]);
 }
 
-// Dot product of two lane-held K-vectors, summed over the group.
+// Dot product of two lane-held K-vectors, summed over the group (every lane gets the same bits).
 template <int K>
 DS_DEVICE float dot(const float (&x)[kPerLane], const float (&y)[kPerLane]) {
-  float acc = 0.f;
+  float acc[4];
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) acc = ffma(x[i], y[i], acc);
-  return group_sum<Layout<K>::kLanes>(acc);
+  for (int e = 0; e < 4; ++e) acc[e] = fmul(x[e], y[e]);
+#pragma unroll
+  for (int j = 1; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] = ffma(x[j * 4 + e], y[j * 4 + e], acc[e]);
+  return group_sum<Layout<K>::kLanes>(fadd(fadd(acc[0], acc[1]), fadd(acc[2], acc[3])));
 }
 
-// x <- x * rsqrt(sum(x^2) + eps) * scale (scale 1 for k).
-template <int K>
-DS_DEVICE void l2_normalize(float (&x)[kPerLane], float scale) {
-  const float inv = fmul(frsqrt(fadd(dot<K>(x, x), kL2Eps)), scale);
+// One warp: dst[0..K) = x * (rsqrt(sum(x^2) + eps) * scale) for the K-vector x at src (any
+// storage type); also to dst2 when not null (the verify stash). Lane l holds the float4 pieces
+// c * 32 + l; the sum is a fixed fma chain per lane, then a 32-lane butterfly.
+template <int K, typename T>
+DS_DEVICE void warp_l2_normalize(const T* __restrict__ src, float* __restrict__ dst,
+                                 float* __restrict__ dst2, float scale) {
+  constexpr int P = Layout<K>::kNormPieces;
+  const int wl = threadIdx.x % kWarp;
+  float x[P][4];
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) x[i] = fmul(x[i], inv);
+  for (int c = 0; c < P; ++c) {
+    const int idx = (c * kWarp + wl) * 4;
+    if (idx < K) {
+      load_vec<T, 4>(src + idx, x[c]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[c][e] = 0.f;
+    }
+  }
+  float acc = fmul(x[0][0], x[0][0]);
+#pragma unroll
+  for (int c = 0; c < P; ++c)
+#pragma unroll
+    for (int e = (c == 0 ? 1 : 0); e < 4; ++e) acc = ffma(x[c][e], x[c][e], acc);
+  const float inv = fmul(frsqrt(fadd(group_sum<kWarp>(acc), kL2Eps)), scale);
+#pragma unroll
+  for (int c = 0; c < P; ++c) {
+    const int idx = (c * kWarp + wl) * 4;
+    if (idx < K) {
+      const float4 y = make_float4(fmul(x[c][0], inv), fmul(x[c][1], inv), fmul(x[c][2], inv),
+                                   fmul(x[c][3], inv));
+      *reinterpret_cast<float4*>(dst + idx) = y;
+      if (dst2 != nullptr) *reinterpret_cast<float4*>(dst2 + idx) = y;
+    }
+  }
 }
 
 // g = -exp(A_log) * softplus(a + dt_bias) (softplus as torch: x > 20 -> x), beta = sigmoid(b).
@@ -81,14 +131,16 @@ DS_DEVICE float gate_g(float a, float A_log, float dt_bias) {
   return fmul(-fexp(A_log), sp);
 }
 DS_DEVICE float gate_beta(float b) { return fdiv(1.f, fadd(1.f, fexp(-b))); }
+// The decay factor every kernel applies: computed from g (decode/verify) or from the stashed g
+// (replay) by this one function.
+DS_DEVICE float gate_decay(float g) { return fexp(g); }
 
 // One recurrence row on this lane's slice of S[row, :] (Yang et al. 2024, eq. 10):
-//   S <- exp(g) S;  S <- S + beta (v - S k) k^T;  o = S q.
+//   S <- decay S;  S <- S + beta (v - S k) k^T;  o = S q.
 // Returns o (when WITH_OUTPUT) on every lane of the group.
 template <int K, bool WITH_OUTPUT>
 DS_DEVICE float step(float (&s)[kPerLane], const float (&k)[kPerLane],
-                     const float (&q)[kPerLane], float v, float g, float beta) {
-  const float decay = fexp(g);
+                     const float (&q)[kPerLane], float v, float decay, float beta) {
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) s[i] = fmul(s[i], decay);
   const float delta = fmul(fsub(v, dot<K>(s, k)), beta);
@@ -96,6 +148,26 @@ DS_DEVICE float step(float (&s)[kPerLane], const float (&k)[kPerLane],
   for (int i = 0; i < kPerLane; ++i) s[i] = ffma(delta, k[i], s[i]);
   if constexpr (WITH_OUTPUT) return dot<K>(s, q);
   return 0.f;
+}
+
+// Rows per thread for a launch over `heads` (request, value head[, layer]) triples of V rows:
+// 4 where that gives >= 2048 blocks, fewer for small batches (latency: more, smaller blocks
+// spread the state over all SMs). Measured on the H200 (benchmarks/RESULTS.md, Qwen3-Next
+// shapes): decode/verify best with 1 at B=1, 2 at B=8, 4 at B>=64; replay (all layers in one
+// launch) best with 4 from B=1. Never changes results. DS_GDN_ROWS=1|2|4 in the environment
+// forces a value (tuning runs).
+template <int K>
+inline int pick_rows(int64_t heads, int V) {
+  if (const char* forced = std::getenv("DS_GDN_ROWS")) {
+    const int r = std::atoi(forced);
+    if (r == 1 || r == 2 || r == 4) return r;
+  }
+  const auto blocks = [&](int rows) {
+    return ceil_div(V, int64_t(Layout<K>::kGroups) * rows) * heads;
+  };
+  if (blocks(4) >= 2048) return 4;
+  if (blocks(2) >= 512) return 2;
+  return 1;
 }
 
 }  // namespace gdn

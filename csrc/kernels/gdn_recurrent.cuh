@@ -1,5 +1,11 @@
 // gdn_decode (one row, state updated in place) and gdn_verify (R rows, state read only,
 // per-row outputs, stash written): one kernel template, the row step from gdn_common.cuh.
+//
+// A block owns Tile<K, ROWS>::kRows value rows of one value head of one request. It issues the
+// loads of its state rows first, then stages the per-row inputs once for the whole block
+// (q, k L2-normalised by one warp each, gates by one thread, v) in shared memory while those
+// loads are in flight. Verify keeps the evolving state in registers across its R rows and never
+// writes it back; decode writes it once.
 #pragma once
 
 #include "gdn_common.cuh"
@@ -28,86 +34,114 @@ struct RecurrentParams {
   float scale;            // applied to q after its L2 norm
 };
 
-// One row's inputs for this thread: its slices of q and k, and the scalars v[row], a, b.
-template <int K>
-struct RowInputs {
-  float q[kPerLane], k[kPerLane];
-  float v, a, b;
-
-  template <typename T>
-  DS_DEVICE void load(const RecurrentParams& p, int n, int r, int h, int hv, int row, int lane) {
-    load_k<K>(static_cast<const T*>(p.q) + n * p.q_stride_n + r * p.q_stride_r + h * K, lane, q);
-    load_k<K>(static_cast<const T*>(p.k) + n * p.k_stride_n + r * p.k_stride_r + h * K, lane, k);
-    const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + r * p.v_stride_r;
-    v = to_float(vp[int64_t(hv) * p.V + row]);
-    a = to_float(static_cast<const T*>(p.a)[n * p.a_stride_n + r * p.a_stride_r + hv]);
-    b = to_float(static_cast<const T*>(p.b)[n * p.b_stride_n + r * p.b_stride_r + hv]);
+// Stage rows c0 .. c0+rc-1 of request n for value head hv (key head h) into shared memory;
+// verify also writes the stash (k once per key head, g/beta once per value head, v per row).
+template <typename T, int K, int BR, int CH, bool VERIFY>
+DS_DEVICE void stage_rows(const RecurrentParams& p, RowSmem<K, BR, CH, true>& sm, int n, int c0,
+                          int rc, int h, int hv, int tile) {
+  const int tid = threadIdx.x;
+  const int warp = tid / kWarp;
+  const bool k_writer = VERIFY && tile == 0 && hv % (p.HV / p.H) == 0;
+  for (int vi = warp; vi < 2 * rc; vi += kWarps) {  // one warp per q or k vector
+    const bool is_k = vi >= rc;
+    const int r = is_k ? vi - rc : vi;
+    const int64_t off = is_k ? n * p.k_stride_n + (c0 + r) * p.k_stride_r + h * K
+                             : n * p.q_stride_n + (c0 + r) * p.q_stride_r + h * K;
+    float* stash = nullptr;
+    if (is_k && k_writer) stash = p.stash_k + ((int64_t(n) * p.R_max + c0 + r) * p.H + h) * K;
+    warp_l2_normalize<K, T>(static_cast<const T*>(is_k ? p.k : p.q) + off,
+                            is_k ? sm.k[r] : sm.q[r], stash, is_k ? 1.f : p.scale);
   }
-};
+  if (tid >= kThreads - rc) {  // gates: the last rc threads, one row each
+    const int r = tid - (kThreads - rc);
+    const T* ap = static_cast<const T*>(p.a) + n * p.a_stride_n + (c0 + r) * p.a_stride_r;
+    const T* bp = static_cast<const T*>(p.b) + n * p.b_stride_n + (c0 + r) * p.b_stride_r;
+    const float g = gate_g(to_float(ap[hv]), p.A_log[hv], p.dt_bias[hv]);
+    const float beta = gate_beta(to_float(bp[hv]));
+    sm.decay[r] = gate_decay(g);
+    sm.beta[r] = beta;
+    if (VERIFY && tile == 0) {
+      const int64_t sr = int64_t(n) * p.R_max + c0 + r;
+      p.stash_g[sr * p.HV + hv] = g;
+      p.stash_beta[sr * p.HV + hv] = beta;
+    }
+  }
+  for (int i = tid; i < rc * BR; i += kThreads) {  // v of the block's rows
+    const int r = i / BR, j = i % BR;
+    const int row = tile * BR + j;
+    float v = 0.f;
+    if (row < p.V) {
+      const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + (c0 + r) * p.v_stride_r;
+      v = to_float(vp[int64_t(hv) * p.V + row]);
+      if (VERIFY) p.stash_v[((int64_t(n) * p.R_max + c0 + r) * p.HV + hv) * p.V + row] = v;
+    }
+    sm.v[r][j] = v;
+  }
+}
 
-// One block: kRowsPerBlock value rows of head hv of request n. Blocks: row tiles fastest.
-template <typename T, int K, bool VERIFY>
+// One block: Tile<K, ROWS>::kRows value rows of head hv of request n. Blocks: row tiles fastest.
+template <typename T, int K, int ROWS, bool VERIFY>
 __global__ void __launch_bounds__(kThreads) recurrent_kernel(const RecurrentParams p) {
   using L = Layout<K>;
-  const int tiles = static_cast<int>(ceil_div(p.V, L::kRowsPerBlock));
+  constexpr int BR = Tile<K, ROWS>::kRows;
+  constexpr int CH = VERIFY ? kChunk : 1;
+  __shared__ __align__(16) RowSmem<K, BR, CH, true> sm;
+
+  const int tiles = static_cast<int>(ceil_div(p.V, BR));
   const int64_t blk = blockIdx.x;
   const int tile = static_cast<int>(blk % tiles);
   const int hv = static_cast<int>((blk / tiles) % p.HV);
   const int n = static_cast<int>(blk / (int64_t(tiles) * p.HV));
   const int h = hv / (p.HV / p.H);
   const int lane = L::group_lane();
-  const int row_raw = tile * L::kRowsPerBlock + L::block_row();
-  const bool active = row_raw < p.V;  // inactive groups compute on row 0, store nothing
-  const int row = active ? row_raw : 0;
+  const int grp = L::group();
 
+  // State rows first: their loads are in flight while the row inputs are staged.
   const int64_t slot = p.slots[n];
-  float* srow = p.state + (slot * p.HV + hv) * int64_t(p.V) * K + int64_t(row) * K;
-  float s[kPerLane];
-  load_state<K>(srow, lane, s);
-  const float A_log = p.A_log[hv], dt_bias = p.dt_bias[hv];
-
-  // Row inputs are loaded one row ahead, so a verify step's loads overlap the previous row's math.
-  RowInputs<K> cur, next{};
-  cur.template load<T>(p, n, 0, h, hv, row, lane);
-  for (int r = 0; r < p.R; ++r) {
-    if (r + 1 < p.R) next.template load<T>(p, n, r + 1, h, hv, row, lane);
-    float (&q)[kPerLane] = cur.q;
-    float (&k)[kPerLane] = cur.k;
-    const float v = cur.v, a = cur.a, b = cur.b;
-    l2_normalize<K>(q, p.scale);
-    l2_normalize<K>(k, 1.f);
-    const float g = gate_g(a, A_log, dt_bias);
-    const float beta = gate_beta(b);
-    const float o = step<K, true>(s, k, q, v, g, beta);
-    const int64_t nr = int64_t(n) * p.R + r;
-    if (active && lane == 0)
-      static_cast<T*>(p.o)[(nr * p.HV + hv) * p.V + row] = from_float<T>(o);
-    if constexpr (VERIFY) {
-      const int64_t sr = int64_t(n) * p.R_max + r;  // stash row
-      if (active && lane == 0) p.stash_v[(sr * p.HV + hv) * p.V + row] = v;
-      if (row_raw == 0 && lane == 0) {
-        p.stash_g[sr * p.HV + hv] = g;
-        p.stash_beta[sr * p.HV + hv] = beta;
-      }
-      if (row_raw == 0 && hv % (p.HV / p.H) == 0) {  // one group per key head writes k
-        float* kst = p.stash_k + (sr * p.H + h) * K;
+  float* head = p.state + (slot * p.HV + hv) * int64_t(p.V) * K;
+  float s[ROWS][kPerLane];
+  int row[ROWS];
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          *reinterpret_cast<float4*>(kst + L::piece(lane, j)) =
-              make_float4(k[j * 4], k[j * 4 + 1], k[j * 4 + 2], k[j * 4 + 3]);
+  for (int m = 0; m < ROWS; ++m) {
+    const int raw = tile * BR + m * L::kGroups + grp;
+    row[m] = raw < p.V ? raw : -1;  // inactive rows compute on row 0 and store nothing
+    load_slice<K>(head + int64_t(raw < p.V ? raw : 0) * K, lane, s[m]);
+  }
+
+  for (int c0 = 0; c0 < p.R; c0 += CH) {
+    const int rc = p.R - c0 < CH ? p.R - c0 : CH;
+    if (c0 > 0) __syncthreads();  // every thread is done with the previous chunk
+    stage_rows<T, K, BR, CH, VERIFY>(p, sm, n, c0, rc, h, hv, tile);
+    __syncthreads();
+    for (int r = 0; r < rc; ++r) {
+      float k[kPerLane], q[kPerLane];
+      load_slice<K>(sm.k[r], lane, k);
+      load_slice<K>(sm.q[r], lane, q);
+      const float decay = sm.decay[r], beta = sm.beta[r];
+      T* o = static_cast<T*>(p.o) + ((int64_t(n) * p.R + c0 + r) * p.HV + hv) * p.V;
+#pragma unroll
+      for (int m = 0; m < ROWS; ++m) {
+        const float out = step<K, true>(s[m], k, q, sm.v[r][m * L::kGroups + grp], decay, beta);
+        if (row[m] >= 0 && lane == 0) o[row[m]] = from_float<T>(out);
       }
     }
-    cur = next;
   }
   if constexpr (!VERIFY) {
-    if (active) store_state<K>(srow, lane, s);
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m)
+      if (row[m] >= 0) store_slice<K>(head + int64_t(row[m]) * K, lane, s[m]);
   }
 }
 
 template <typename T, int K, bool VERIFY>
 inline ds_error_t launch_recurrent(const RecurrentParams& p, ds_stream_t stream) {
-  const int64_t blocks = ceil_div(p.V, Layout<K>::kRowsPerBlock) * int64_t(p.HV) * p.N;
-  return launch(recurrent_kernel<T, K, VERIFY>, blocks, kThreads, stream, p);
+  const int64_t heads = int64_t(p.HV) * p.N;
+  const auto blocks = [&](int rows) { return ceil_div(p.V, Layout<K>::kGroups * rows) * heads; };
+  switch (pick_rows<K>(heads, p.V)) {
+    case 4: return launch(recurrent_kernel<T, K, 4, VERIFY>, blocks(4), kThreads, stream, p);
+    case 2: return launch(recurrent_kernel<T, K, 2, VERIFY>, blocks(2), kThreads, stream, p);
+    default: return launch(recurrent_kernel<T, K, 1, VERIFY>, blocks(1), kThreads, stream, p);
+  }
 }
 
 // Host entry points: K is a runtime value here, dispatched to the compiled head sizes.

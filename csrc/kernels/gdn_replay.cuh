@@ -1,4 +1,6 @@
 // gdn_replay: the first accepted[n] stashed rows of every layer into the live state, one launch.
+// Same block shape and row step as gdn_decode (gdn_recurrent.cuh); the staged row inputs come
+// from the stash that gdn_verify wrote (k already normalised, g, beta, v as fp32).
 #pragma once
 
 #include "gdn_common.cuh"
@@ -18,11 +20,14 @@ struct ReplayParams {
   int L, N, N_max, R_max, H, HV, V;
 };
 
-// One block: kRowsPerBlock value rows of head hv, request n, layer l (row tiles fastest).
-template <int K>
+// One block: Tile<K, ROWS>::kRows value rows of head hv, request n, layer l (row tiles fastest).
+template <int K, int ROWS>
 __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) {
   using L = Layout<K>;
-  const int tiles = static_cast<int>(ceil_div(p.V, L::kRowsPerBlock));
+  constexpr int BR = Tile<K, ROWS>::kRows;
+  __shared__ __align__(16) RowSmem<K, BR, kChunk, false> sm;
+
+  const int tiles = static_cast<int>(ceil_div(p.V, BR));
   const int64_t blk = blockIdx.x;
   const int tile = static_cast<int>(blk % tiles);
   const int hv = static_cast<int>((blk / tiles) % p.HV);
@@ -35,39 +40,71 @@ __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) 
 
   const int h = hv / (p.HV / p.H);
   const int lane = L::group_lane();
-  const int row_raw = tile * L::kRowsPerBlock + L::block_row();
-  const bool active = row_raw < p.V;
-  const int row = active ? row_raw : 0;
+  const int grp = L::group();
+  const int tid = threadIdx.x;
   const int64_t slot = p.slots[n];
-  float* srow = p.state + layer * p.state_layer_stride +
-                (slot * p.HV + hv) * int64_t(p.V) * K + int64_t(row) * K;
-  float s[kPerLane];
-  load_state<K>(srow, lane, s);
-  const int64_t first = (int64_t(layer) * p.N_max + n) * p.R_max;  // stash row of row 0
-  const float unused_q[kPerLane] = {};
-  for (int r = 0; r < rows; ++r) {
-    const int64_t sr = first + r;
-    float k[kPerLane];
-    load_state<K>(p.stash_k + (sr * p.H + h) * K, lane, k);
-    const float v = p.stash_v[(sr * p.HV + hv) * p.V + row];
-    step<K, false>(s, k, unused_q, v, p.stash_g[sr * p.HV + hv], p.stash_beta[sr * p.HV + hv]);
+  float* head = p.state + layer * p.state_layer_stride + (slot * p.HV + hv) * int64_t(p.V) * K;
+  float s[ROWS][kPerLane];
+  int row[ROWS];
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m) {
+    const int raw = tile * BR + m * L::kGroups + grp;
+    row[m] = raw < p.V ? raw : -1;
+    load_slice<K>(head + int64_t(raw < p.V ? raw : 0) * K, lane, s[m]);
   }
-  if (active) store_state<K>(srow, lane, s);
+
+  const int64_t first = (int64_t(layer) * p.N_max + n) * p.R_max;  // stash row of row 0
+  for (int c0 = 0; c0 < rows; c0 += kChunk) {
+    const int rc = rows - c0 < kChunk ? rows - c0 : kChunk;
+    if (c0 > 0) __syncthreads();
+    for (int i = tid; i < rc * (K / 4); i += kThreads) {  // k rows, float4 pieces
+      const int r = i / (K / 4), j = (i % (K / 4)) * 4;
+      *reinterpret_cast<float4*>(&sm.k[r][j]) = *reinterpret_cast<const float4*>(
+          p.stash_k + ((first + c0 + r) * p.H + h) * K + j);
+    }
+    for (int i = tid; i < rc * BR; i += kThreads) {
+      const int r = i / BR, j = i % BR;
+      const int rw = tile * BR + j;
+      sm.v[r][j] = rw < p.V ? p.stash_v[((first + c0 + r) * p.HV + hv) * p.V + rw] : 0.f;
+    }
+    if (tid >= kThreads - rc) {
+      const int r = tid - (kThreads - rc);
+      const int64_t sr = first + c0 + r;
+      sm.decay[r] = gate_decay(p.stash_g[sr * p.HV + hv]);
+      sm.beta[r] = p.stash_beta[sr * p.HV + hv];
+    }
+    __syncthreads();
+    for (int r = 0; r < rc; ++r) {
+      float k[kPerLane];
+      load_slice<K>(sm.k[r], lane, k);
+      const float decay = sm.decay[r], beta = sm.beta[r];
+#pragma unroll
+      for (int m = 0; m < ROWS; ++m)
+        step<K, false>(s[m], k, k, sm.v[r][m * L::kGroups + grp], decay, beta);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m)
+    if (row[m] >= 0) store_slice<K>(head + int64_t(row[m]) * K, lane, s[m]);
+}
+
+template <int K>
+inline ds_error_t launch_replay(const ReplayParams& p, ds_stream_t stream) {
+  const int64_t heads = int64_t(p.HV) * p.N * p.L;
+  const auto blocks = [&](int rows) { return ceil_div(p.V, Layout<K>::kGroups * rows) * heads; };
+  switch (pick_rows<K>(heads, p.V)) {
+    case 4: return launch(replay_kernel<K, 4>, blocks(4), kThreads, stream, p);
+    case 2: return launch(replay_kernel<K, 2>, blocks(2), kThreads, stream, p);
+    default: return launch(replay_kernel<K, 1>, blocks(1), kThreads, stream, p);
+  }
 }
 
 inline ds_error_t launch_gdn_replay(const ReplayParams& p, int K, ds_stream_t stream) {
-  auto blocks = [&](int rows_per_block) {
-    return ceil_div(p.V, rows_per_block) * int64_t(p.HV) * p.N * p.L;
-  };
   switch (K) {
-    case 64:
-      return launch(replay_kernel<64>, blocks(Layout<64>::kRowsPerBlock), kThreads, stream, p);
-    case 128:
-      return launch(replay_kernel<128>, blocks(Layout<128>::kRowsPerBlock), kThreads, stream, p);
-    case 256:
-      return launch(replay_kernel<256>, blocks(Layout<256>::kRowsPerBlock), kThreads, stream, p);
-    default:
-      return DS_ERROR_INVALID_VALUE;
+    case 64: return launch_replay<64>(p, stream);
+    case 128: return launch_replay<128>(p, stream);
+    case 256: return launch_replay<256>(p, stream);
+    default: return DS_ERROR_INVALID_VALUE;
   }
 }
 
