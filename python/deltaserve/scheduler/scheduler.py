@@ -7,9 +7,10 @@ waits for memory and nothing is preempted; requests that cannot fit wait in FIFO
 
 Snapshots: a prompt's last grid boundary B (multiple of lcm(64, page_size), B <= prompt_len)
 ends a prefill chunk, so the live state after the chunk is exactly the state after B tokens;
-it is copied to the request's track slot and inserted into the prefix cache when the
-request finishes. A finished request whose processed length is on the grid gives its live
-slot to the cache as a second snapshot.
+it is copied to a track slot and inserted into the prefix cache when the request finishes.
+When B == prompt_len the boundary before it is tracked too: a resent identical prompt must
+recompute its last token, so it can only resume below B. A finished request whose processed
+length is on the grid gives its live slot to the cache as one more snapshot.
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ class Scheduler:
         self.on_release = on_release
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.track_slot: dict[int, int] = {}
-        self.snapshot_depth: dict[int, int] = {}
+        self.tracks: dict[int, dict[int, int]] = {}  # rid -> {snapshot depth: track slot}
         self.hit_tokens = 0
         self.prompt_tokens = 0
 
@@ -98,9 +98,8 @@ class Scheduler:
             cached_len = match.cached_len if match else 0
             if match:
                 self.cache.lock(match.node)
-            depth = (req.prompt_len // self.grid) * self.grid
-            wants_snapshot = self.cfg.enable_prefix_cache and depth > cached_len
-            n_slots = 2 if wants_snapshot else 1
+            depths = self.snapshot_depths(req.prompt_len, cached_len)
+            n_slots = 1 + len(depths)
             need_pages = self.pages_needed(req) - len(match.pages if match else [])
             avail_pages = (self.page_pool.num_free + self.cache.evictable_pages()
                            - self.reserved_pages())
@@ -115,14 +114,20 @@ class Scheduler:
                 self.state_pool.copy(match.snapshot_slot, live)
             else:
                 self.state_pool.zero(live)
-            if wants_snapshot:
-                self.track_slot[req.rid] = self._take_slot()
-                self.snapshot_depth[req.rid] = depth
+            self.tracks[req.rid] = {d: self._take_slot() for d in depths}
             req.admit(cached_len, live, list(match.pages) if match else [],
                       match.node if match else None)
             self.hit_tokens += cached_len
             self.prompt_tokens += req.prompt_len
             self.running.append(req)
+
+    def snapshot_depths(self, prompt_len: int, cached_len: int) -> list[int]:
+        """Grid depths in (cached_len, prompt_len] whose GDN state prefill snapshots."""
+        if not self.cfg.enable_prefix_cache:
+            return []
+        last = (prompt_len // self.grid) * self.grid
+        depths = [last - self.grid, last] if last == prompt_len else [last]
+        return [d for d in depths if d > cached_len]
 
     def _take_slot(self) -> int:
         if not self.state_pool.can_allocate(1):
@@ -151,9 +156,9 @@ class Scheduler:
                 if budget <= 0:
                     break
                 n = req.schedule_chunk(min(self.cfg.chunk_size, budget))
-                depth = self.snapshot_depth.get(req.rid)
-                if depth is not None and req.device_len < depth < req.device_len + n:
-                    n = depth - req.device_len
+                for depth in self.tracks.get(req.rid, ()):
+                    if req.device_len < depth < req.device_len + n:
+                        n = depth - req.device_len
                 self._ensure_pages(req, req.device_len + n)
                 reqs.append(req)
                 lens.append(n)
@@ -187,8 +192,8 @@ class Scheduler:
             if req.finished:  # aborted while the step ran
                 continue
             req.complete_step(n)
-            if self.snapshot_depth.get(req.rid) == req.device_len:
-                track = self.track_slot[req.rid]
+            track = self.tracks.get(req.rid, {}).get(req.device_len)
+            if track is not None:
                 self.state_pool.copy(req.slot, track)
                 req.snapshots[req.device_len] = track
             tokens = sampled.get(req.rid, [])
@@ -254,10 +259,9 @@ class Scheduler:
             self.running.remove(req)
         if self.on_release is not None:  # first: a proposer may finish the KV the cache keeps
             self.on_release(req)
-        track = self.track_slot.pop(req.rid, None)
-        self.snapshot_depth.pop(req.rid, None)
+        tracks = self.tracks.pop(req.rid, {})
         owned_from = req.cached_len // self.page_size  # pages before this came from the tree
-        slots_left = [req.slot] + ([track] if track is not None else [])
+        slots_left = [req.slot] + list(tracks.values())
         if self.cfg.enable_prefix_cache and req.finish_reason is not FinishReason.ABORT:
             n_pages = req.device_len // self.page_size
             snaps = dict(req.snapshots)
