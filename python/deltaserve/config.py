@@ -35,8 +35,10 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        if self.page_size < 1 or self.snapshot_grid % self.page_size and self.page_size % 64:
-            raise ValueError("page_size must be >= 1 and divide (or be a multiple of) 64")
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        if self.snapshot_grid < 64 or self.snapshot_grid % 64:
+            raise ValueError("snapshot_grid must be a multiple of 64 (the chunk grid)")
         if self.chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
         if self.max_running_reqs < 1:

@@ -47,6 +47,9 @@ def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for but no CUDA device is available; "
+                         "use --device cpu")
     if cfg.dtype == "auto":
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     else:

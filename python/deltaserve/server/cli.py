@@ -179,7 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return _generate(args) if args.command == "generate" else _serve(args)
+    try:
+        return _generate(args) if args.command == "generate" else _serve(args)
+    except (ValueError, FileNotFoundError) as e:  # bad flags, checkpoint or device: one line
+        print(f"deltaserve: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("deltaserve.server")
 
+MAX_CHARS_PER_TOKEN = 256  # a generous bound: byte-level BPE tokens are far shorter
+
 
 def sse(payload: BaseModel | dict) -> str:
     """One server-sent event carrying `payload` as JSON."""
@@ -79,7 +81,18 @@ class OpenAIServing:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             return list(prompt)
         text = prompt if isinstance(prompt, str) else prompt[0]
+        self._check_text_size(len(text), "prompt")
         return list(self._tokenizer("prompt").encode(text))
+
+    def _check_text_size(self, n_chars: int, param: str) -> None:
+        """Refuse text that cannot fit the context whatever it tokenizes to (no token covers
+        more than MAX_CHARS_PER_TOKEN characters in practice), before spending time on it."""
+        limit = self.engine.max_model_len * MAX_CHARS_PER_TOKEN
+        if n_chars > limit:
+            raise InvalidRequest(
+                f"the prompt has {n_chars} characters; this model's context of "
+                f"{self.engine.max_model_len} tokens cannot hold more than {limit}", param,
+                code="context_length_exceeded")
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         tokenizer = self._tokenizer("messages")
@@ -87,6 +100,8 @@ class OpenAIServing:
             raise InvalidRequest("the model's tokenizer has no chat template: use "
                                  "/v1/completions", "messages")
         messages = body.template_messages()
+        self._check_text_size(sum(len(str(m.get("content") or "")) for m in messages),
+                              "messages")
         try:
             text = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True,
@@ -105,7 +120,8 @@ class OpenAIServing:
         if n_prompt >= limit:
             raise InvalidRequest(
                 f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{n_prompt} tokens (at most {limit - 1} leave room for one completion token)",
+                f"{n_prompt} tokens; at most {limit - 1} prompt tokens fit, leaving room for one "
+                f"completion token",
                 prompt_param, code="context_length_exceeded")
         room = limit - n_prompt
         max_tokens, param = body.max_tokens_param()
@@ -141,7 +157,9 @@ class OpenAIServing:
         body.check_supported()
         self._check_model(body)
         rid = new_id("cmpl")
-        stream = await self._start(rid, body, self.completion_prompt(body), "prompt", 16)
+        # tokenizing a long prompt must not stall the event loop (other clients, /health)
+        ids = await asyncio.to_thread(self.completion_prompt, body)
+        stream = await self._start(rid, body, ids, "prompt", 16)
         if body.stream:
             return self._streaming(rid, "completions", body, stream, self._completion_chunks)
         text, last = await self._collect(rid, "completions", stream, request)
@@ -155,7 +173,8 @@ class OpenAIServing:
         body.check_supported()
         self._check_model(body)
         rid = new_id("chatcmpl")
-        stream = await self._start(rid, body, self.chat_prompt(body), "messages", None)
+        ids = await asyncio.to_thread(self.chat_prompt, body)
+        stream = await self._start(rid, body, ids, "messages", None)
         if body.stream:
             return self._streaming(rid, "chat", body, stream, self._chat_chunks)
         text, last = await self._collect(rid, "chat", stream, request)
