@@ -79,3 +79,32 @@ def test_turns_a_b_a_with_speculation_match_the_cache_off(ckpt, lookahead):
     status = eng.cache_status()
     assert status["pages_free"] == status["pages_total"]
     assert status["slots_free"] == status["slots_total"]
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_the_text_and_the_tokens(tmp_path):
+    import json
+    import shutil
+    from importlib import resources
+
+    files = resources.files("deltaserve.default_model") / "files"
+    vocab = len(json.loads((files / "tokenizer.json").read_text())["model"]["vocab"])
+    path = make_tiny_checkpoint(tmp_path / "tok", "qwen3_5_text", seed=7, vocab_size=vocab)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(str(files / name), path / name)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompt = tokens(40, seed=8)
+    plain = LLM(str(path), device="cpu", dtype="float32", num_pages=256, page_size=16)
+    (p,) = plain.generate([prompt], greedy)
+    tok = plain.tokenizer
+    # a stop string that first appears in the text of output token j (j >= 3)
+    j, stop = next((i, tok.decode([t])) for i, t in enumerate(p.token_ids)
+                   if i >= 3 and len(tok.decode([t]).strip()) >= 2
+                   and tok.decode([t]) not in tok.decode(p.token_ids[:i]))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    spec = LLM(str(path), device="cpu", dtype="float32", num_pages=256, page_size=16,
+               speculative_algorithm="ngram", speculative_num_steps=4)
+    spec.engine.spec.proposer = OracleProposer(4, {tuple(prompt): p.token_ids})
+    (out,) = spec.generate([prompt], params)
+    assert out.finish_reason == "stop"
+    assert out.token_ids == p.token_ids[:j + 1]  # nothing committed after the stop
+    assert stop not in out.text and p.text.startswith(out.text)
