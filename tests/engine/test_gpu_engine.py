@@ -13,6 +13,7 @@ import pytest
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
+from drained import assert_drained
 from oracle import assert_same_greedy, assert_same_runs, reference_greedy
 
 pytestmark = pytest.mark.gpu
@@ -55,10 +56,7 @@ def test_gpu_prefix_cache_on_and_off_give_the_same_tokens(ckpt):
     assert a2.cached_tokens == 128
     ref = reference_greedy(ckpt, turn2, GREEDY.max_tokens)
     assert_same_runs(a2.token_ids, c2.token_ids, ref, "gpu cache on/off", eps=GPU_EPS)
-    llm.engine.flush_cache()
-    status = llm.engine.cache_status()
-    assert status["pages_free"] == status["pages_total"]
-    assert status["slots_free"] == status["slots_total"]
+    assert_drained(llm.engine)
 
 
 def test_gpu_bfloat16_serving_stays_close_to_the_reference(ckpt):

@@ -10,6 +10,7 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
+from drained import assert_drained
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -49,12 +50,7 @@ def make(ckpt: str, page_size: int, cache: bool = True, chunk_size: int = 64) ->
 
 def check_clean(llm: LLM) -> None:
     """Every page and slot is free once requests are done and the cache is flushed."""
-    eng = llm.engine
-    eng.prefix_cache.check_integrity()
-    eng.flush_cache()
-    status = eng.cache_status()
-    assert status["pages_free"] == status["pages_total"]
-    assert status["slots_free"] == status["slots_total"]
+    assert_drained(llm.engine)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])

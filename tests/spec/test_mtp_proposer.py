@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint, transformers_torch_kernels
+from drained import assert_drained
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
@@ -101,8 +102,4 @@ def test_speculation_with_mtp_equals_plain_greedy(ckpt):
     got = [o.token_ids for o in spec.generate(batch, GREEDY)]
     assert got == want
     assert spec.engine.acceptance_length is not None
-    eng = spec.engine
-    eng.flush_cache()
-    status = eng.cache_status()
-    assert status["pages_free"] == status["pages_total"]
-    assert status["slots_free"] == status["slots_total"]
+    assert_drained(spec.engine)

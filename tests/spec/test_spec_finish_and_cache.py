@@ -11,6 +11,7 @@ import pytest
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
 from deltaserve.spec.proposer import Proposer
+from drained import assert_drained
 
 
 class OracleProposer(Proposer):
@@ -74,11 +75,7 @@ def test_turns_a_b_a_with_speculation_match_the_cache_off(ckpt, lookahead):
     assert ra2.cached_tokens == 128
     for prompt, got in ((a1, ra), (b1, rb), (a2, ra2)):
         assert got.token_ids == cold.generate([prompt], greedy)[0].token_ids
-    eng = spec.engine
-    eng.flush_cache()
-    status = eng.cache_status()
-    assert status["pages_free"] == status["pages_total"]
-    assert status["slots_free"] == status["slots_total"]
+    assert_drained(spec.engine)
 
 
 def test_a_stop_string_inside_accepted_drafts_ends_the_text_and_the_tokens(tmp_path):

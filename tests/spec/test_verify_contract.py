@@ -14,6 +14,7 @@ import pytest
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
 from deltaserve.spec.proposer import Proposer
+from drained import assert_drained
 from oracle import assert_same_runs, reference_greedy
 
 MAX_NEW = 24
@@ -79,12 +80,7 @@ def test_speculative_greedy_equals_plain_greedy_for_every_accept_count(ckpt, k):
         assert_same_runs(ours.token_ids, ref_plain, ref, f"k={k} len {len(prompt)}")
     assert stub.committed_counts == set(range(1, k + 2))
     assert stub.saw_empty
-    eng = spec.engine
-    eng.prefix_cache.check_integrity()
-    eng.flush_cache()
-    status = eng.cache_status()
-    assert status["pages_free"] == status["pages_total"]
-    assert status["slots_free"] == status["slots_total"]
+    assert_drained(spec.engine)
 
 
 def test_requests_joining_mid_run_stay_exact(ckpt):
