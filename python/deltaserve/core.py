@@ -119,12 +119,26 @@ class Req:
         self._check()
 
     def _check(self) -> None:
-        assert 0 <= self.cached_len <= self.device_len <= len(self.all_ids) <= self.max_len, (
-            self.cached_len, self.device_len, len(self.all_ids), self.max_len)
+        assert 0 <= self.cached_len <= self.device_len <= self.num_tokens <= self.max_len, (
+            self.cached_len, self.device_len, self.num_tokens, self.max_len)
 
     @property
     def all_ids(self) -> list[int]:
+        """prompt + output (a new list: O(length); hot paths use `tokens` / `num_tokens`)."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without copying the whole sequence (0 <= start <= end)."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
 
     @property
     def prompt_len(self) -> int:

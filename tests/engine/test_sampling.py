@@ -72,3 +72,4 @@ def test_a_stop_string_cuts_the_text_and_prefixes_are_held_back():
     assert det.append(ord("D"))
     assert det.take_new_text(final=True) == "y"
     assert det.text == "abExy"
+

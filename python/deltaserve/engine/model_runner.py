@@ -45,10 +45,10 @@ class ModelRunner:
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             start = req.device_len
             if batch.phase is Phase.VERIFY:
-                ids.append(req.all_ids[start])
+                ids.extend(req.tokens(start, start + 1))
                 ids.extend(batch.draft_ids[i])
             else:
-                ids.extend(req.all_ids[start:start + n])
+                ids.extend(req.tokens(start, start + n))
         return ids
 
     def _context(self, batch: Batch) -> tuple[torch.Tensor, ForwardContext]:

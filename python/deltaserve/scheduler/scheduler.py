@@ -246,7 +246,7 @@ class Scheduler:
             return FinishReason.STOP
         if req.detok is not None and req.detok.append(token):
             return FinishReason.STOP
-        if len(req.output_ids) >= p.max_tokens or len(req.all_ids) >= req.max_len:
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= req.max_len:
             return FinishReason.LENGTH
         return None
 
@@ -270,7 +270,7 @@ class Scheduler:
                 snaps[req.device_len] = req.slot
             # with lookahead keys the last cached position pairs with the token after it
             n_ids = n_pages * self.page_size + (1 if self.cfg.radix_lookahead else 0)
-            result = self.cache.insert(req.all_ids[:n_ids], req.page_table[:n_pages], snaps)
+            result = self.cache.insert(req.tokens(0, n_ids), req.page_table[:n_pages], snaps)
             self.page_pool.free(list(result.freed_pages) + req.page_table[n_pages:])
             taken = set(snaps.values()) - set(result.unused_slots)
             slots_left = [s for s in slots_left if s not in taken]

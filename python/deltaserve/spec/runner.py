@@ -55,7 +55,7 @@ class SpecRunner:
         for req, d in zip(batch.reqs, drafts):
             d = list(d[:k])
             batch.num_drafts.append(len(d))
-            pad = d[-1] if d else req.all_ids[-1]
+            pad = d[-1] if d else req.tokens(req.num_tokens - 1, req.num_tokens)[0]
             batch.draft_ids.append(d + [pad] * (k - len(d)))
 
     def accept(self, batch: Batch, logits: torch.Tensor) -> dict[int, list[int]]:

@@ -109,13 +109,13 @@ class MTPProposer(Proposer):
             if st is None or not st.pending:
                 continue
             have = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
-            n = min(have.shape[0], len(req.all_ids) - 1 - st.mtp_len)
+            n = min(have.shape[0], req.num_tokens - 1 - st.mtp_len)
             if n <= 0:
                 continue
             todo.append(req)
             starts.append(st.mtp_len)
             lens.append(n)
-            ids.extend(req.all_ids[st.mtp_len + 1:st.mtp_len + 1 + n])
+            ids.extend(req.tokens(st.mtp_len + 1, st.mtp_len + 1 + n))
             hid.append(have[:n])
             st.pending = [have[n:]] if have.shape[0] > n else []
         if not todo:
