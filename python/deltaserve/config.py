@@ -26,6 +26,7 @@ class EngineConfig:
     num_snapshot_slots: int | None = None  # device GDN snapshot slots; None: 2 x max_running_reqs
     enable_prefix_cache: bool = True
     snapshot_grid: int = 64
+    max_prompt_snapshots: int = 64  # GDN snapshots per prompt at prefill chunk ends; 0 = off
     decode_rows_per_req: int = 1  # k + 1 with speculative decoding
     speculative_algorithm: str | None = None  # mtp | ngram
     speculative_num_steps: int = 0
@@ -39,6 +40,10 @@ class EngineConfig:
             raise ValueError("page_size must be >= 1")
         if self.snapshot_grid < 64 or self.snapshot_grid % 64:
             raise ValueError("snapshot_grid must be a multiple of 64 (the chunk grid)")
+        if self.num_snapshot_slots is not None and self.num_snapshot_slots < 0:
+            raise ValueError("num_snapshot_slots must be >= 0")
+        if self.max_prompt_snapshots < 0:
+            raise ValueError("max_prompt_snapshots must be >= 0 (0: no chunk snapshots)")
         if self.chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
         if self.max_running_reqs < 1:

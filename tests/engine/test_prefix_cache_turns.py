@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
-import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
 from drained import assert_drained
+from slow_decay import slow_decay
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -20,22 +19,6 @@ def ckpt(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "m", "qwen3_5_text", seed=2)
     slow_decay(path)
     return str(path)
-
-
-def slow_decay(path) -> None:
-    """Make every GDN head remember far back (decay per token >= exp(-0.01)), so a wrong or
-    stale restored state changes the tokens instead of being forgotten within a few tokens."""
-    from safetensors.torch import load_file, save_file
-
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    gen = torch.Generator().manual_seed(0)
-    for name, t in tensors.items():
-        if name.endswith("A_log"):
-            tensors[name] = torch.empty(t.shape).uniform_(0.001, 0.01, generator=gen).log()
-        elif name.endswith("dt_bias"):
-            tensors[name] = torch.full(t.shape, -2.0)
-    save_file(tensors, file, metadata={"format": "pt"})
 
 
 def tokens(n: int, seed: int) -> list[int]:

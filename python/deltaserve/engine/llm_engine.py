@@ -276,8 +276,11 @@ class LLMEngine:
 
     # ---- introspection ------------------------------------------------------------------
     def cache_status(self) -> dict:
+        """Pools and prefix cache now: pages, device slots, snapshots taken at prefill chunk
+        ends, queue lengths, hit tokens."""
         pool, sp = self.page_pool, self.state_pool
         stats = self.prefix_cache.stats()
+        snaps = self.scheduler.snaps
         return {
             "page_size": self.cfg.page_size,
             "pages_total": pool.num_pages - 1,
@@ -286,6 +289,8 @@ class LLMEngine:
             "slots_total": sp.num_slots - 1,
             "slots_free": sp.num_free,
             "slots_snapshot": stats.n_snapshots,
+            "chunk_snapshots_taken": snaps.n_taken,
+            "chunk_snapshots_skipped": snaps.n_skipped,
             "running_requests": len(self.scheduler.running),
             "waiting_requests": len(self.scheduler.waiting),
             "hit_tokens": self.scheduler.hit_tokens,

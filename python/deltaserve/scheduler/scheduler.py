@@ -5,12 +5,18 @@ plus the extra rows of a verify step) fit in free + evictable pages minus what r
 requests have reserved, and its slots are taken at admission. So a running request never
 waits for memory and nothing is preempted; requests that cannot fit wait in FIFO order.
 
-Snapshots: a prompt's last grid boundary B (multiple of lcm(64, page_size), B <= prompt_len)
-ends a prefill chunk, so the live state after the chunk is exactly the state after B tokens;
-it is copied to a track slot and inserted into the prefix cache when the request finishes.
-When B == prompt_len the boundary before it is tracked too: a resent identical prompt must
-recompute its last token, so it can only resume below B. A finished request whose processed
-length is on the grid gives its live slot to the cache as one more snapshot.
+Snapshots (snapshots.py): the prompt's last grid boundary B (a multiple of
+G = lcm(snapshot_grid, page_size), B <= prompt_len) ends a prefill chunk and is copied to a
+track slot reserved at admission; every intermediate prefill chunk ends on the grid and its end
+is copied to a snapshot slot taken then, when one can be had. All of them enter the prefix
+cache when the request finishes. A finished request whose processed length is on the grid
+gives its live slot to the cache as one more snapshot.
+
+Speculation: decode and verify steps take no snapshot. A verify step runs k+1 rows and replays
+only the accepted ones into the live state, so the state at a grid boundary crossed inside the
+step never exists on its own: that boundary is skipped (a later prompt resumes from an earlier
+snapshot). Plain decode skips them too, for the same rule everywhere. Only at release, when
+device_len is on the grid, is the live slot (exact after the replay) cached.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from deltaserve.core import Batch, FinishReason, Phase, Req, ReqStatus
+from deltaserve.scheduler.snapshots import PrefillSnapshots
 
 if TYPE_CHECKING:
     from deltaserve.cache.page_pool import PagePool
@@ -44,7 +51,8 @@ class Scheduler:
         self.on_release = on_release
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.tracks: dict[int, dict[int, int]] = {}  # rid -> {snapshot depth: track slot}
+        self.snaps = PrefillSnapshots(state_pool, cache, self.grid, cfg.max_prompt_snapshots,
+                                      enabled=cfg.enable_prefix_cache)
         self.hit_tokens = 0
         self.prompt_tokens = 0
 
@@ -98,41 +106,28 @@ class Scheduler:
             cached_len = match.cached_len if match else 0
             if match:
                 self.cache.lock(match.node)
-            depths = self.snapshot_depths(req.prompt_len, cached_len)
+            depths = self.snaps.track_depths(req.prompt_len, cached_len)
             n_slots = 1 + len(depths)
             need_pages = self.pages_needed(req) - len(match.pages if match else [])
             avail_pages = (self.page_pool.num_free + self.cache.evictable_pages()
                            - self.reserved_pages())
-            avail_slots = self.state_pool.num_free + self.cache.evictable_slots()
+            avail_slots = self.snaps.available_slots()
             if need_pages > avail_pages or n_slots > avail_slots:
                 if match:
                     self.cache.unlock(match.node)
                 return
             self.waiting.popleft()
-            live = self._take_slot()
+            live = self.snaps.take_slot()  # may evict, but never the locked match
             if match and match.snapshot_slot is not None:
                 self.state_pool.copy(match.snapshot_slot, live)
             else:
                 self.state_pool.zero(live)
-            self.tracks[req.rid] = {d: self._take_slot() for d in depths}
+            self.snaps.reserve(req, depths)
             req.admit(cached_len, live, list(match.pages) if match else [],
                       match.node if match else None)
             self.hit_tokens += cached_len
             self.prompt_tokens += req.prompt_len
             self.running.append(req)
-
-    def snapshot_depths(self, prompt_len: int, cached_len: int) -> list[int]:
-        """Grid depths in (cached_len, prompt_len] whose GDN state prefill snapshots."""
-        if not self.cfg.enable_prefix_cache:
-            return []
-        last = (prompt_len // self.grid) * self.grid
-        depths = [last - self.grid, last] if last == prompt_len else [last]
-        return [d for d in depths if d > cached_len]
-
-    def _take_slot(self) -> int:
-        if not self.state_pool.can_allocate(1):
-            self.cache.evict(n_slots=1)
-        return self.state_pool.allocate()
 
     def _ensure_pages(self, req: Req, n_tokens: int) -> None:
         need = self.pages_for(n_tokens) - len(req.page_table)
@@ -155,10 +150,8 @@ class Scheduler:
             for req in prefill:
                 if budget <= 0:
                     break
-                n = req.schedule_chunk(min(self.cfg.chunk_size, budget))
-                for depth in self.tracks.get(req.rid, ()):
-                    if req.device_len < depth < req.device_len + n:
-                        n = depth - req.device_len
+                n = self.snaps.chunk_len(
+                    req, req.schedule_chunk(min(self.cfg.chunk_size, budget)))
                 self._ensure_pages(req, req.device_len + n)
                 reqs.append(req)
                 lens.append(n)
@@ -192,10 +185,8 @@ class Scheduler:
             if req.finished:  # aborted while the step ran
                 continue
             req.complete_step(n)
-            track = self.tracks.get(req.rid, {}).get(req.device_len)
-            if track is not None:
-                self.state_pool.copy(req.slot, track)
-                req.snapshots[req.device_len] = track
+            if batch.phase is Phase.PREFILL:
+                self.snaps.after_chunk(req)
             tokens = sampled.get(req.rid, [])
             if tokens:
                 self._commit_tokens(req, tokens)
@@ -259,9 +250,8 @@ class Scheduler:
             self.running.remove(req)
         if self.on_release is not None:  # first: a proposer may finish the KV the cache keeps
             self.on_release(req)
-        tracks = self.tracks.pop(req.rid, {})
         owned_from = req.cached_len // self.page_size  # pages before this came from the tree
-        slots_left = [req.slot] + list(tracks.values())
+        slots_left = {req.slot} | self.snaps.release(req)
         if self.cfg.enable_prefix_cache and req.finish_reason is not FinishReason.ABORT:
             n_pages = req.device_len // self.page_size
             snaps = dict(req.snapshots)
@@ -272,11 +262,10 @@ class Scheduler:
             n_ids = n_pages * self.page_size + (1 if self.cfg.radix_lookahead else 0)
             result = self.cache.insert(req.tokens(0, n_ids), req.page_table[:n_pages], snaps)
             self.page_pool.free(list(result.freed_pages) + req.page_table[n_pages:])
-            taken = set(snaps.values()) - set(result.unused_slots)
-            slots_left = [s for s in slots_left if s not in taken]
+            slots_left -= set(snaps.values()) - set(result.unused_slots)
         else:
             self.page_pool.free(req.page_table[owned_from:])
-        for slot in slots_left:
+        for slot in sorted(slots_left):
             self.state_pool.free(slot)
         if req.prefix_node is not None:
             self.cache.unlock(req.prefix_node)

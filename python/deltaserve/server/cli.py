@@ -34,6 +34,8 @@ _HELP = {
     "num_snapshot_slots": "device GDN snapshot slots (default: 2 x max running requests)",
     "enable_prefix_cache": "turn the hybrid prefix cache off",
     "snapshot_grid": "GDN snapshot spacing in tokens (a multiple of 64)",
+    "max_prompt_snapshots": "GDN snapshots per prompt taken at prefill chunk ends, kept evenly "
+                            "spread (0: only the prompt's last grid boundary)",
     "speculative_algorithm": "mtp or ngram",
     "speculative_num_steps": "drafts per verify step",
     "cuda_graphs": "run decode without CUDA graphs",

@@ -1,0 +1,160 @@
+"""Prefill snapshots: which grid depths of a prompt keep a copy of its GDN state, and the slots.
+
+The grid is G = lcm(snapshot_grid, page_size) tokens. A snapshot at depth d is an exact copy of
+the live GDN state after tokens[0:d], taken when a prefill chunk ends at d (so the live slot
+holds exactly that state). Two kinds, both recorded in `req.snapshots` {depth: slot} and handed
+to the prefix cache together when the request is released:
+
+- **Track snapshots** at the prompt's last grid boundary B (and at B - G when B == prompt_len:
+  a resent identical prompt recomputes its last token, so it can only resume below B). Their
+  slots are reserved at admission, which waits until they can be had: guaranteed.
+- **Chunk snapshots** at the end of every intermediate prefill chunk. `chunk_len` makes such a
+  chunk end on the grid: its end is rounded down to the deepest grid boundary inside it (a
+  chunk shorter than G that holds no boundary keeps its length, so small chunks go on until
+  one ends on the grid). The slot is taken at the chunk's end: a free one, else a snapshot the
+  prefix cache evicts (to its host bank when it has one); none to be had: that snapshot is
+  skipped. They are optional: admission of another request that is short of slots takes them
+  back (most-holding request, deepest first). Bounded per prompt: at most
+  `max_prompt_snapshots`, kept evenly spread by taking one only `interval(prompt_len)` tokens
+  or more past the request's previous snapshot (or its cached prefix); the interval is G for
+  prompts of up to max_prompt_snapshots·G tokens and grows with the prompt beyond that.
+
+Nothing touches a request's pages or its radix-tree handles before release. Decode and verify
+steps take no snapshot here (see scheduler.py for the speculation rule).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deltaserve.cache.prefix_cache import PrefixCache
+    from deltaserve.cache.state_pool import GDNStatePool
+    from deltaserve.core import Req
+
+
+class PrefillSnapshots:
+    """Owns every running request's track slots and chunk-snapshot slots until release.
+
+    `enabled` is False without a prefix cache (then nothing is snapshot and chunks are not
+    cut); `max_per_prompt` 0 turns chunk snapshots (and the rounding of chunk ends) off.
+    """
+
+    def __init__(self, state_pool: GDNStatePool, cache: PrefixCache, grid: int,
+                 max_per_prompt: int, enabled: bool) -> None:
+        assert grid >= 1 and max_per_prompt >= 0
+        self.state_pool, self.cache, self.grid = state_pool, cache, grid
+        self.max_per_prompt = max_per_prompt
+        self.enabled = enabled
+        self.tracks: dict[int, dict[int, int]] = {}  # rid -> {depth: reserved track slot}
+        # rid -> (request, depths of its chunk snapshots in the order they were taken)
+        self.chunk: dict[int, tuple[Req, list[int]]] = {}
+        self.n_taken = 0  # chunk snapshots taken (counter, for metrics and tests)
+        self.n_skipped = 0  # chunk ends on the grid that found no slot
+
+    @property
+    def chunk_snapshots_on(self) -> bool:
+        return self.enabled and self.max_per_prompt > 0
+
+    # ---- depths -------------------------------------------------------------------------
+    def track_depths(self, prompt_len: int, cached_len: int) -> list[int]:
+        """Grid depths in (cached_len, prompt_len] whose track slots admission reserves."""
+        if not self.enabled:
+            return []
+        last = (prompt_len // self.grid) * self.grid
+        depths = [last - self.grid, last] if last == prompt_len else [last]
+        return [d for d in depths if d > cached_len]
+
+    def interval(self, prompt_len: int) -> int:
+        """Least spacing in tokens between a prompt's chunk snapshots (a multiple of G)."""
+        boundaries = prompt_len // self.grid
+        return self.grid * max(1, -(-boundaries // max(1, self.max_per_prompt)))
+
+    def chunk_len(self, req: Req, n: int) -> int:
+        """The length of `req`'s next prefill chunk given `n` schedulable tokens (n >= 1):
+        a chunk that is not the prompt's last ends on the grid when a grid boundary lies
+        inside it; no chunk runs past a reserved track depth. Returns 1..n."""
+        start, end = req.device_len, req.device_len + n
+        if self.chunk_snapshots_on and end < req.prompt_len:
+            on_grid = end // self.grid * self.grid
+            if on_grid > start:
+                end = on_grid
+        for depth in self.tracks.get(req.rid, ()):
+            if start < depth < end:
+                end = depth
+        return end - start
+
+    # ---- slots --------------------------------------------------------------------------
+    def reclaimable(self) -> int:
+        """Chunk-snapshot slots `reclaim` could give back now."""
+        return sum(len(depths) for _, depths in self.chunk.values())
+
+    def available_slots(self) -> int:
+        """Slots `take_slot` can hand out now: free, evictable from the cache, reclaimable."""
+        return self.state_pool.num_free + self.cache.evictable_slots() + self.reclaimable()
+
+    def reclaim(self, n: int) -> int:
+        """Free up to `n` chunk-snapshot slots of running requests (the request holding most
+        first, its deepest snapshot first); returns how many were freed. The requests keep
+        running; they simply will not leave those snapshots in the cache."""
+        freed = 0
+        while freed < n and self.chunk:
+            rid = max(self.chunk, key=lambda r: len(self.chunk[r][1]))
+            req, depths = self.chunk[rid]
+            self.state_pool.free(req.snapshots.pop(depths.pop()))
+            if not depths:
+                del self.chunk[rid]
+            freed += 1
+        return freed
+
+    def take_slot(self) -> int:
+        """A slot for a live state or a track snapshot: free, else evicted from the cache,
+        else reclaimed from a running request. Asserts `available_slots() >= 1` held."""
+        if not self.state_pool.can_allocate(1):
+            self.cache.evict(n_slots=1)
+        if not self.state_pool.can_allocate(1):
+            self.reclaim(1)
+        return self.state_pool.allocate()
+
+    def _try_take_slot(self) -> int | None:
+        if not self.state_pool.can_allocate(1) and self.cache.evictable_slots() > 0:
+            self.cache.evict(n_slots=1)
+        return self.state_pool.allocate() if self.state_pool.can_allocate(1) else None
+
+    # ---- request life -------------------------------------------------------------------
+    def reserve(self, req: Req, depths: list[int]) -> None:
+        """At admission: take one track slot per depth (their contents are written when the
+        prefill reaches the depth). The caller checked `available_slots()`."""
+        self.tracks[req.rid] = {d: self.take_slot() for d in depths}
+
+    def after_chunk(self, req: Req) -> None:
+        """After a prefill chunk of `req` ran (req.device_len is its end): copy the live state
+        into the track slot reserved at that depth, or take a chunk snapshot when the end is
+        an intermediate grid depth far enough past the previous snapshot. Mutates
+        req.snapshots and the state pool; the live slot is unchanged."""
+        d = req.device_len
+        track = self.tracks.get(req.rid, {}).get(d)
+        if track is not None:
+            self.state_pool.copy(req.slot, track)
+            req.snapshots[d] = track
+            return
+        if not self.chunk_snapshots_on or d >= req.prompt_len or d % self.grid:
+            return
+        if d - max(req.snapshots, default=req.cached_len) < self.interval(req.prompt_len):
+            return
+        slot = self._try_take_slot()
+        if slot is None:
+            self.n_skipped += 1
+            return
+        self.state_pool.copy(req.slot, slot)
+        req.snapshots[d] = slot
+        self.chunk.setdefault(req.rid, (req, []))[1].append(d)
+        self.n_taken += 1
+
+    def release(self, req: Req) -> set[int]:
+        """Forget `req`: returns every slot it holds besides its live slot (track slots,
+        taken or not, and chunk snapshots). `req.snapshots` still names the taken ones;
+        the caller gives them to the cache or frees them."""
+        held = set(self.tracks.pop(req.rid, {}).values())
+        self.chunk.pop(req.rid, None)
+        return held | set(req.snapshots.values())

@@ -1,0 +1,157 @@
+"""Snapshots at prefill chunk ends: a conversation cut far back resumes from the deepest snapshot
+at or below the cut, with the tokens of a cold run (cache off) and of transformers.
+
+CPU, fp32, a tiny checkpoint whose GDN heads decay slowly, so a stale or misplaced state
+changes the tokens. The snapshot grid is G = lcm(64, page_size).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.model.testing import make_tiny_checkpoint
+from drained import assert_drained
+from oracle import assert_same_greedy, reference_greedy
+from slow_decay import slow_decay
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("snap") / "m", "qwen3_5_text", seed=4)
+    slow_decay(path)
+    return str(path)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(500) for _ in range(n)]
+
+
+def make(ckpt: str, page_size: int = 16, chunk_size: int = 64, **kw) -> LLM:
+    return LLM(ckpt, device="cpu", dtype="float32", num_pages=4096 // page_size + 64,
+               page_size=page_size, chunk_size=chunk_size, **kw)
+
+
+def cold(ckpt: str, prompt: list[int]) -> list[int]:
+    return make(ckpt, enable_prefix_cache=False).generate([prompt], GREEDY)[0].token_ids
+
+
+def device_snapshot_depths(llm: LLM) -> list[int]:
+    return sorted(n.depth for n in llm.engine.prefix_cache.tree.nodes()
+                  if n.snapshot_slot is not None)
+
+
+@pytest.mark.parametrize(("page_size", "chunk_size", "depths"), [
+    (16, 64, [64, 128, 192, 256]),  # one snapshot per chunk end, 256 = the last boundary
+    (1, 64, [64, 128, 192, 256]),
+    (64, 64, [64, 128, 192, 256]),
+    (16, 96, [64, 128, 192, 256]),  # 96 is not on the grid: chunk ends round down to 64s
+    (16, 48, [64, 128, 192, 256]),  # 0-48, 48-64, 64-112, 112-128, ...: ends land on the grid
+    (16, 128, [128, 256]),
+    (128, 64, [128, 256]),  # G = 128: the 64-token chunks that end at 64 and 192 are not on it
+])
+def test_a_conversation_cut_inside_chunk_three_resumes_from_the_deepest_snapshot_below_it(
+        ckpt, page_size, chunk_size, depths):
+    first = tokens(300, seed=1)  # five 64-token chunks: 0-64-128-192-256-300
+    llm = make(ckpt, page_size, chunk_size)
+    (a,) = llm.generate([first], GREEDY)
+    assert a.cached_tokens == 0
+    assert device_snapshot_depths(llm) == depths
+    replay = first[:170] + tokens(20, seed=2)  # cut inside chunk 3 (128..192), a new message
+    (b,) = llm.generate([replay], GREEDY)
+    assert b.cached_tokens == 128
+    assert b.token_ids == cold(ckpt, replay)
+    assert_same_greedy(b.token_ids, reference_greedy(ckpt, replay, GREEDY.max_tokens),
+                       "cut replay")
+    assert_drained(llm.engine)
+
+
+def test_prompts_of_exactly_64n_tokens_and_matches_leaving_a_one_token_tail(ckpt):
+    base = tokens(256, seed=3)
+    llm = make(ckpt)
+    (a,) = llm.generate([base], GREEDY)
+    assert device_snapshot_depths(llm) == [64, 128, 192, 256]
+    # an identical resend recomputes its last token: the deepest usable snapshot is 192
+    (again,) = llm.generate([base], GREEDY)
+    assert again.cached_tokens == 192 and again.token_ids == a.token_ids == cold(ckpt, base)
+    for cut in (129, 193, 257):  # each leaves exactly one token after a snapshot
+        prompt = (base + tokens(1, seed=4))[:cut]
+        (out,) = llm.generate([prompt], GREEDY)
+        assert out.cached_tokens == cut - 1, cut
+        assert out.token_ids == cold(ckpt, prompt), cut
+    assert_drained(llm.engine)
+
+
+@pytest.mark.parametrize(("fork", "lookahead", "expected"), [
+    (192, False, 192),  # on the grid: the shared chunk snapshot at 192
+    (176, False, 128),  # on a page boundary off the grid: the snapshot below it
+    (192, True, 128),  # lookahead keys match one position short of the fork: 191 -> 128
+])
+def test_a_fork_on_a_page_boundary_resumes_from_the_deepest_snapshot_before_it(
+        ckpt, fork, lookahead, expected):
+    shared = tokens(fork, seed=5)
+    one, two = shared + tokens(110, seed=6), shared + tokens(40, seed=7)
+    llm = make(ckpt, radix_lookahead=lookahead)
+    llm.generate([one], GREEDY)
+    (out,) = llm.generate([two], GREEDY)
+    assert out.cached_tokens == expected
+    assert out.token_ids == cold(ckpt, two)
+    assert_drained(llm.engine)
+
+
+def test_a_prompt_with_more_chunk_ends_than_the_cap_keeps_them_evenly_spread(ckpt):
+    prompt = tokens(600, seed=8)  # 9 grid boundaries, cap 2: at least 64 * ceil(9/2) apart
+    llm = make(ckpt, max_prompt_snapshots=2)
+    assert llm.engine.scheduler.snaps.interval(len(prompt)) == 320
+    llm.generate([prompt], GREEDY)
+    assert device_snapshot_depths(llm) == [320, 576]  # one chunk snapshot, the last boundary
+    replay = prompt[:400] + tokens(10, seed=9)
+    (out,) = llm.generate([replay], GREEDY)
+    assert out.cached_tokens == 320
+    assert out.token_ids == cold(ckpt, replay)
+    assert_drained(llm.engine)
+
+
+def test_no_chunk_snapshots_when_the_cap_is_zero(ckpt):
+    llm = make(ckpt, max_prompt_snapshots=0)
+    llm.generate([tokens(300, seed=10)], GREEDY)
+    assert device_snapshot_depths(llm) == [256]
+    assert_drained(llm.engine)
+
+
+def test_admission_short_of_slots_takes_chunk_snapshots_back_and_outputs_stay_exact(ckpt):
+    # 1 + 2 x 2 + 0 slots: two running requests each need a live and a track slot
+    llm = make(ckpt, max_running_reqs=2, num_snapshot_slots=0)
+    eng = llm.engine
+    first, second = tokens(600, seed=11), tokens(200, seed=12)
+    rid = eng.add_request(first, GREEDY)
+    for _ in range(3):  # chunk ends 64 and 128 take the two free slots, 192 finds none
+        eng.step()
+    assert eng.cache_status()["slots_free"] == 0
+    assert eng.cache_status()["chunk_snapshots_skipped"] == 1
+    eng.add_request(second, GREEDY)
+    out: dict[int, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.setdefault(o.rid, []).extend(o.new_token_ids)
+    assert out[rid] == cold(ckpt, first)
+    assert out[rid + 1] == cold(ckpt, second)
+    assert 64 not in device_snapshot_depths(llm)  # taken back for the second request
+    assert_drained(eng)
+
+
+def test_an_aborted_request_frees_its_chunk_snapshots(ckpt):
+    llm = make(ckpt)
+    eng = llm.engine
+    rid = eng.add_request(tokens(400, seed=13), GREEDY)
+    for _ in range(4):
+        eng.step()
+    assert eng.cache_status()["chunk_snapshots_taken"] == 4
+    assert eng.abort(rid)
+    assert eng.prefix_cache.stats().n_snapshots == 0  # nothing of an aborted prompt is cached
+    assert_drained(eng)
