@@ -149,10 +149,10 @@ def test_locked_paths_survive_eviction_and_flush():
     m = cache.match(a[:100])
     cache.lock(m.node)
     assert (cache.evictable_pages(), cache.evictable_slots()) == (8 + 4, 1 + 1)
-    assert tuple(cache.flush()) == (12, 2)
+    assert tuple(cache.flush()) == (12, 2, 0, 0)
     assert cache.match(a[:100]).cached_len == 64 and cache.stats().n_pages == 4
     cache.unlock(m.node)
-    assert tuple(cache.flush()) == (4, 1)
+    assert tuple(cache.flush()) == (4, 1, 0, 0)
     assert cache.page_pool.num_free == cache.page_pool.num_pages - 1
     cache.check_integrity()
 
@@ -192,7 +192,7 @@ def test_evict_frees_the_least_recently_used_leaf_first():
     put(cache, b, [64])
     now[0] = 3
     cache.match(a + [1])  # a is now the more recent
-    assert tuple(cache.evict(n_pages=1)) == (4, 1)  # a whole leaf goes, with its snapshot
+    assert tuple(cache.evict(n_pages=1)) == (4, 1, 0, 0)  # a whole leaf goes, with its snapshot
     assert cache.match(a + [1]).cached_len == 64 and cache.match(b + [1]).cached_len == 0
 
 
@@ -200,8 +200,8 @@ def test_evicting_slots_drops_an_inner_snapshot_but_keeps_the_node_and_its_pages
     cache = make_cache(16)
     ids = tokens(128, seed=21)
     put(cache, ids, [64])  # inner node [0, 64) with the snapshot, leaf [64, 128) without
-    assert cache.evict(n_slots=1) == (0, 1)
-    assert tuple(cache.stats()) == (8, 0, 2, 0)
+    assert cache.evict(n_slots=1) == (0, 1, 0, 0)
+    assert tuple(cache.stats()) == (8, 0, 2, 0, 0)
     assert cache.match(ids + [1]).cached_len == 0
 
 
@@ -209,7 +209,7 @@ def test_evicting_slots_takes_a_leafs_snapshot_with_its_pages_deepest_first_on_a
     cache = make_cache(16)
     ids = tokens(128, seed=22)
     put(cache, ids, [64, 128])  # one insert: both nodes have the same last-access time
-    assert cache.evict(n_slots=1) == (4, 1)
+    assert cache.evict(n_slots=1) == (4, 1, 0, 0)
     assert cache.match(ids + [1]).cached_len == 64
 
 
@@ -219,10 +219,10 @@ def test_evicting_slots_skips_locked_snapshots():
     put(cache, ids, [64, 128])
     m = cache.match(ids + [1])
     cache.lock(m.node)
-    assert cache.evict(n_slots=2) == (0, 0)
+    assert cache.evict(n_slots=2) == (0, 0, 0, 0)
     cache.unlock(m.node)
     cache.lock(cache.tree.root)  # locking the root protects nothing
-    assert cache.evict(n_slots=2) == (8, 2)
+    assert cache.evict(n_slots=2) == (8, 2, 0, 0)
     cache.unlock(cache.tree.root)
     cache.check_integrity()
 
@@ -266,7 +266,7 @@ def test_stats_count_pages_snapshots_nodes_and_locked_nodes():
     ids = tokens(128, seed=26)
     put(cache, ids, [64, 128])
     cache.lock(cache.match(ids[:100]).node)
-    assert tuple(cache.stats()) == (8, 2, 2, 1)
+    assert tuple(cache.stats()) == (8, 2, 2, 1, 0)
 
 
 def test_a_slot_the_tree_holds_at_another_depth_is_refused_before_anything_changes():
@@ -276,4 +276,4 @@ def test_a_slot_the_tree_holds_at_another_depth_is_refused_before_anything_chang
     other = tokens(64, seed=28)
     with pytest.raises(AssertionError, match="another depth"):
         cache.insert(other, cache.page_pool.allocate(4), {64: snaps[64]})
-    assert tuple(cache.stats()) == (8, 1, 2, 0)
+    assert tuple(cache.stats()) == (8, 1, 2, 0, 0)

@@ -1,8 +1,9 @@
 """PrefixCache against its reference model: random sessions, then broken proxies that must fail.
 
-Every step runs the integrity battery (see cache_reference.Session). The self-tests wrap the
-cache in deliberately broken subclasses and check that the right tag fires, both in a short
-scripted session and in the randomized one.
+Every step runs the integrity battery (see cache_session.Session); sessions run without a host
+bank and with banks of 0, 2 and 3 slots. The self-tests wrap the cache (or the bank) in
+deliberately broken subclasses and check that the right tag fires, both in a short scripted
+session and in the randomized one.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from cache_reference import Mismatch, Session
+from cache_reference import Mismatch
+from cache_session import Session
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -21,6 +23,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from deltaserve.cache.host_bank import HostSnapshotBank
 from deltaserve.cache.prefix_cache import PrefixCache, PrefixMatch
 
 GRID = 4
@@ -36,12 +39,14 @@ ids_st = st.builds(lambda stem, cut, tail: STEMS[stem][:cut] + tail,
 
 class CacheMachine(RuleBasedStateMachine):
     cache_cls: type[PrefixCache] = PrefixCache
+    bank_cls: type[HostSnapshotBank] = HostSnapshotBank
 
-    @initialize(page_size=st.sampled_from([1, 2, 4, 8]))
-    def start(self, page_size):
-        # small pools: three requests of up to 40 tokens do not fit, so admission evicts
+    @initialize(page_size=st.sampled_from([1, 2, 4, 8]), bank=st.sampled_from([None, 0, 2, 3]))
+    def start(self, page_size, bank):
+        # small pools: three requests of up to 40 tokens do not fit, so admission evicts; a
+        # bank of a few slots fills up, so moves to it drop host snapshots
         self.s = Session(page_size, num_pages=1 + 80 // page_size, num_slots=7, grid=GRID,
-                         cache_cls=self.cache_cls)
+                         cache_cls=self.cache_cls, bank_slots=bank, bank_cls=self.bank_cls)
 
     def _admit(self, ids, mask, last_only=False):
         if len(self.s.requests) < 3:
@@ -174,6 +179,93 @@ def test_a_broken_cache_fails_the_scripted_session_under_its_tag(cache_cls, tag)
 @pytest.mark.parametrize(("cache_cls", "tag"), BROKEN, ids=[c.__name__ for c, _ in BROKEN])
 def test_a_broken_cache_fails_the_random_session_under_its_tag(cache_cls, tag):
     machine = type(f"{cache_cls.__name__}Machine", (CacheMachine,), {"cache_cls": cache_cls})
+    quick = settings(SESSION_SETTINGS, phases=[Phase.generate])
+    with pytest.raises(Mismatch) as failure:
+        run_state_machine_as_test(machine, settings=quick)
+    assert failure.value.tag == tag, str(failure.value)
+
+
+# ---- the host tier: a scripted session and broken proxies -----------------------------------
+class WrongSlotStore(HostSnapshotBank):
+    """Stores another allocated device slot than the one asked for."""
+
+    def store(self, pool, dev_slot, host_slot):
+        other = next(s for s in range(1, pool.num_slots) if s != dev_slot and pool.is_allocated(s))
+        super().store(pool, other, host_slot)
+
+
+class HostLRUInversion(PrefixCache):
+    """A full bank gives up its most recently used snapshot first."""
+
+    def _host_key(self, node):
+        t, *rest = super()._host_key(node)
+        return (-t, *rest)
+
+
+class LeakyHostDrop(PrefixCache):
+    """Forgets to return a dropped host snapshot to the bank, unless the bank is full (where
+    the move that follows would trip the bank's own assertion instead)."""
+
+    def _free_host_slot(self, slot):
+        if not self.host_bank.can_allocate(1):
+            super()._free_host_slot(slot)
+
+
+class RestoreIgnoresHost(PrefixCache):
+    """Restores a host snapshot as the initial (zero) state."""
+
+    def restore(self, match, dst_slot):
+        if match.host_slot is None:
+            super().restore(match, dst_slot)
+        else:
+            self.state_pool.zero(dst_slot)
+
+
+def scripted_host(session: Session) -> None:
+    """Two paths; moves to a bank of 2 until it is full (the incoming snapshot dropped, then
+    an older host one), a restore from the bank, a leaf with a host snapshot evicted by
+    pages, a flush."""
+    a, b = STEMS[0][:16], STEMS[1][:16]
+    session.finish(session.admit(a))
+    session.finish(session.admit(b))
+    session.evict(n_slots=2)  # a's deepest two move to the bank: now full
+    session.evict(n_slots=2)  # a's shallower two: each is dropped itself (first in order)
+    session.match(b + [1])
+    session.match(a + [1])  # a host hit, restored from the bank
+    session.evict(n_slots=1)  # b's deepest is older than the bank's: dropped itself
+    session.match(b + [1])
+    session.evict(n_slots=1)  # now b's is newer: an older host snapshot goes first
+    session.evict(n_pages=1)  # a's leaf, with its host snapshot
+    session.evict(flush=True)
+    session.drain()
+
+
+def test_the_scripted_host_session_passes_on_the_real_cache():
+    for page_size in (1, 2, 4, 8):
+        for bank_slots in (0, 2, 3):
+            scripted_host(Session(page_size, 1 + 96 // page_size, 12, GRID,
+                                  bank_slots=bank_slots))
+
+
+HOST_BROKEN = [(PrefixCache, WrongSlotStore, "snapshot-content"),
+               (HostLRUInversion, HostSnapshotBank, "host-policy"),
+               (LeakyHostDrop, HostSnapshotBank, "leak"),
+               (RestoreIgnoresHost, HostSnapshotBank, "restore")]
+HOST_IDS = [c.__name__ if c is not PrefixCache else b.__name__ for c, b, _ in HOST_BROKEN]
+
+
+@pytest.mark.parametrize(("cache_cls", "bank_cls", "tag"), HOST_BROKEN, ids=HOST_IDS)
+def test_a_broken_host_tier_fails_the_scripted_session_under_its_tag(cache_cls, bank_cls, tag):
+    with pytest.raises(Mismatch) as failure:
+        scripted_host(Session(4, 1 + 96 // 4, 12, GRID, cache_cls=cache_cls, bank_slots=2,
+                              bank_cls=bank_cls))
+    assert failure.value.tag == tag, str(failure.value)
+
+
+@pytest.mark.parametrize(("cache_cls", "bank_cls", "tag"), HOST_BROKEN, ids=HOST_IDS)
+def test_a_broken_host_tier_fails_the_random_session_under_its_tag(cache_cls, bank_cls, tag):
+    machine = type(f"{HOST_IDS[HOST_BROKEN.index((cache_cls, bank_cls, tag))]}Machine",
+                   (CacheMachine,), {"cache_cls": cache_cls, "bank_cls": bank_cls})
     quick = settings(SESSION_SETTINGS, phases=[Phase.generate])
     with pytest.raises(Mismatch) as failure:
         run_state_machine_as_test(machine, settings=quick)

@@ -7,9 +7,10 @@ within that page (a fork inside a page is rounded down to the page boundary: KV 
 partially shared page cannot be shared).
 
 Nodes also carry what the prefix cache needs: a lock count, a last-access time and at most
-one GDN snapshot slot, valid at the node's depth (the state after exactly the node's keys).
-The tree keeps counters of its pages and snapshots, locked and total, so the evictable amount
-is O(1); `check_integrity` recomputes them.
+one GDN snapshot, valid at the node's depth (the state after exactly the node's keys): on the
+device (`snapshot_slot`, a GDNStatePool slot) or in the host bank (`host_slot`, a
+HostSnapshotBank slot), never both. The tree keeps counters of its pages and snapshots per
+tier, locked and total, so the evictable amount is O(1); `check_integrity` recomputes them.
 
 Node identity is stable: a split creates a new *upper* node, so a node object held by a
 lock holder keeps its depth, its pages' suffix and its snapshot.
@@ -33,7 +34,8 @@ class RadixNode:
     depth: int  # keys from the root to the end of this edge
     last_access: float = 0
     lock_count: int = 0
-    snapshot_slot: int | None = None
+    snapshot_slot: int | None = None  # device snapshot (GDNStatePool slot)
+    host_slot: int | None = None  # host snapshot (HostSnapshotBank slot); never with the above
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
 
     @property
@@ -44,6 +46,11 @@ class RadixNode:
     def is_leaf(self) -> bool:
         return not self.children
 
+    @property
+    def has_snapshot(self) -> bool:
+        """A snapshot on either tier."""
+        return self.snapshot_slot is not None or self.host_slot is not None
+
     def path(self) -> Iterator[RadixNode]:
         """This node and its ancestors up to (excluding) the root, deepest first."""
         node: RadixNode | None = self
@@ -53,7 +60,8 @@ class RadixNode:
 
     def __repr__(self) -> str:
         return (f"RadixNode(uid={self.uid}, depth={self.depth}, edge={len(self.keys)}, "
-                f"lock={self.lock_count}, t={self.last_access}, snap={self.snapshot_slot})")
+                f"lock={self.lock_count}, t={self.last_access}, snap={self.snapshot_slot}, "
+                f"host={self.host_slot})")
 
 
 class RadixTree:
@@ -66,9 +74,11 @@ class RadixTree:
         self._uids = itertools.count()
         self.root = RadixNode(next(self._uids), None, [], [], 0)
         self.pages: set[int] = set()  # every page id the tree owns
-        self.slots: set[int] = set()  # every snapshot slot the tree owns
+        self.slots: set[int] = set()  # every device snapshot slot the tree owns
+        self.host_slots: set[int] = set()  # every host (bank) snapshot slot the tree owns
         self.num_locked_pages = 0
         self.num_locked_slots = 0
+        self.num_locked_host_slots = 0
 
     # ---- lookup -------------------------------------------------------------------------
     def _child(self, node: RadixNode, keys: list[int], pos: int) -> RadixNode | None:
@@ -187,28 +197,40 @@ class RadixTree:
         assert node.depth == depth, (node.depth, depth)
         return node
 
-    def set_snapshot(self, node: RadixNode, slot: int) -> None:
-        """Attach `slot` (the tree owns it now) to snapshot-less, non-root `node`."""
-        assert not node.is_root and node.snapshot_slot is None
-        assert slot not in self.slots, f"slot {slot} is already a snapshot in the tree"
-        node.snapshot_slot = slot
-        self.slots.add(slot)
-        self.num_locked_slots += node.lock_count > 0
+    def set_snapshot(self, node: RadixNode, slot: int, host: bool = False) -> None:
+        """Attach device `slot` (or bank slot, with `host`) to snapshot-less, non-root `node`;
+        the tree owns it now."""
+        assert not node.is_root and not node.has_snapshot, f"{node} has a snapshot already"
+        owned = self.host_slots if host else self.slots
+        assert slot not in owned, f"{'host ' * host}slot {slot} is already a tree snapshot"
+        owned.add(slot)
+        if host:
+            node.host_slot = slot
+            self.num_locked_host_slots += node.lock_count > 0
+        else:
+            node.snapshot_slot = slot
+            self.num_locked_slots += node.lock_count > 0
 
-    def clear_snapshot(self, node: RadixNode) -> int:
-        """Detach and return `node`'s snapshot slot (the caller owns it now)."""
-        slot = node.snapshot_slot
-        assert slot is not None
-        node.snapshot_slot = None
-        self.slots.remove(slot)
-        self.num_locked_slots -= node.lock_count > 0
-        return slot
+    def clear_snapshot(self, node: RadixNode) -> tuple[int | None, int | None]:
+        """Detach `node`'s snapshot, on whichever tier; return (device slot, host slot), one
+        of them None (the caller owns the other now)."""
+        dev, host = node.snapshot_slot, node.host_slot
+        assert (dev is None) != (host is None), f"{node} holds no snapshot"
+        locked = node.lock_count > 0
+        if dev is not None:
+            self.slots.remove(dev)
+            self.num_locked_slots -= locked
+        else:
+            self.host_slots.remove(host)
+            self.num_locked_host_slots -= locked
+        node.snapshot_slot = node.host_slot = None
+        return dev, host
 
     def remove_leaf(self, leaf: RadixNode) -> list[int]:
         """Detach unlocked, snapshot-less, non-root leaf `leaf`; return its pages (the caller
         owns them now). Its parent may become a leaf."""
         assert leaf.is_leaf and not leaf.is_root and leaf.lock_count == 0
-        assert leaf.snapshot_slot is None, "clear the snapshot before removing the node"
+        assert not leaf.has_snapshot, "clear the snapshot before removing the node"
         parent = leaf.parent
         assert parent is not None
         del parent.children[tuple(leaf.keys[:self.page_size])]
@@ -221,6 +243,7 @@ class RadixTree:
             if n.lock_count == 0:
                 self.num_locked_pages += len(n.pages)
                 self.num_locked_slots += n.snapshot_slot is not None
+                self.num_locked_host_slots += n.host_slot is not None
             n.lock_count += 1
         self.root.lock_count += 1
 
@@ -233,19 +256,22 @@ class RadixTree:
             if n.lock_count == 0:
                 self.num_locked_pages -= len(n.pages)
                 self.num_locked_slots -= n.snapshot_slot is not None
+                self.num_locked_host_slots -= n.host_slot is not None
         self.root.lock_count -= 1
 
     # ---- checks -------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Structure and counters: edges page-aligned and non-empty, depths and child index
         consistent, each lock count >= 0 and >= the sum of its children's (a lock counts once
-        on every node of its path), no page or slot twice, counters equal to a recount."""
+        on every node of its path), at most one snapshot tier per node, no page or slot
+        (device or host) twice, counters equal to a recount."""
         ps, root = self.page_size, self.root
         assert not root.keys and not root.pages and root.depth == 0
-        assert root.snapshot_slot is None, "the root (depth 0) never holds a snapshot"
+        assert not root.has_snapshot, "the root (depth 0) never holds a snapshot"
         pages: list[int] = []
         slots: list[int] = []
-        locked_pages = locked_slots = 0
+        host_slots: list[int] = []
+        locked = [0, 0, 0]  # pages, device slots, host slots of locked nodes
         stack = [root]
         while stack:
             node = stack.pop()
@@ -262,16 +288,23 @@ class RadixTree:
                 stack.append(child)
             if node is root:
                 continue
+            assert node.snapshot_slot is None or node.host_slot is None, (
+                f"a snapshot on both tiers: {node}")
             pages.extend(node.pages)
             if node.snapshot_slot is not None:
                 slots.append(node.snapshot_slot)
+            if node.host_slot is not None:
+                host_slots.append(node.host_slot)
             if node.lock_count > 0:
-                locked_pages += len(node.pages)
-                locked_slots += node.snapshot_slot is not None
+                locked[0] += len(node.pages)
+                locked[1] += node.snapshot_slot is not None
+                locked[2] += node.host_slot is not None
         assert len(set(pages)) == len(pages), "a page is owned by two positions of the tree"
         assert len(set(slots)) == len(slots), "a slot is the snapshot of two nodes"
+        assert len(set(host_slots)) == len(host_slots), "a host slot is the snapshot of two nodes"
         assert set(pages) == self.pages, f"page set drifted: {set(pages) ^ self.pages}"
         assert set(slots) == self.slots, f"slot set drifted: {set(slots) ^ self.slots}"
-        assert (locked_pages, locked_slots) == (self.num_locked_pages, self.num_locked_slots), (
-            f"locked counters drifted: {(locked_pages, locked_slots)} vs "
-            f"{(self.num_locked_pages, self.num_locked_slots)}")
+        assert set(host_slots) == self.host_slots, (
+            f"host slot set drifted: {set(host_slots) ^ self.host_slots}")
+        counters = [self.num_locked_pages, self.num_locked_slots, self.num_locked_host_slots]
+        assert locked == counters, f"locked counters drifted: {locked} vs {counters}"
