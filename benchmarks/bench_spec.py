@@ -1,14 +1,17 @@
 """Speculative decoding benchmark: acceptance length and decode tokens/s, speculation off and on.
 
-For each algorithm (n-gram on a repetitive workload, MTP on the model's own head) and each
-k in --ks, runs the same greedy requests and reports the mean acceptance length (tokens
-committed per request per verify step = accepted drafts + 1) and decode tokens/s, beside the
-same run with speculation off. Checks that every configuration returns the same tokens as
-speculation off: `same` counts requests with identical tokens, `near_ties` those that part
-where the plain run's top-2 logit gap is below --tie-eps (one bf16 ulp at logit scale ~4-8 is
-0.03), `diff` those that part anywhere else (a bug). Prints a table and writes JSON.
+For each algorithm (n-gram, MTP on the model's own head) and each k in --ks, runs the same
+greedy requests (--workload heldout: the first --prompt-tokens tokens of held-out corpus
+files, unseen in training; repetitive: a short repeated code snippet) and reports the mean
+acceptance length (tokens committed per request per verify step = accepted drafts + 1) and
+decode tokens/s, beside the same run with speculation off. Checks that every configuration
+returns the same tokens as speculation off: `same` counts requests with identical tokens,
+`near_ties` those that part where the plain run's top-2 logit gap is below --tie-eps (one
+bf16 ulp at logit scale ~4-8 is 0.03), `diff` those that part anywhere else (a bug). Prints
+a table and writes JSON.
 
     python benchmarks/bench_spec.py --out spec.json [--model PATH] [--device cuda]
+    python benchmarks/bench_spec.py --workload heldout --corpus build/corpus --batches 1,32
 """
 
 from __future__ import annotations
@@ -27,7 +30,22 @@ REPETITIVE = ("def add(a, b):\n    return a + b\n\n\n"
               "        self.x = x\n        self.y = y\n")
 
 
-def workload(llm: LLM, batch: int, vocab: int) -> list[list[int]]:
+def heldout_prompts(llm: LLM, corpus: str, batch: int, n_tokens: int) -> list[list[int]]:
+    """The first n_tokens tokens of `batch` held-out files (cycled when there are fewer files
+    of that length); made by scripts/prepare_corpus.py."""
+    from deltaserve.default_model.corpus import iter_split
+
+    docs = [llm.tokenizer.encode(d.text, add_special_tokens=False)
+            for d in iter_split(corpus, "heldout")]
+    docs = [d[:n_tokens] for d in docs if len(d) > n_tokens]
+    if not docs:
+        raise ValueError(f"no held-out file in {corpus} has more than {n_tokens} tokens")
+    return [docs[i % len(docs)] for i in range(batch)]
+
+
+def workload(llm: LLM, batch: int, vocab: int, args: argparse.Namespace) -> list[list[int]]:
+    if args.workload == "heldout":
+        return heldout_prompts(llm, args.corpus, batch, args.prompt_tokens)
     if llm.tokenizer is not None:
         base = llm.tokenizer.encode(REPETITIVE * 3, add_special_tokens=False)
     else:
@@ -41,13 +59,13 @@ def sync(device: str) -> None:
 
 
 def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
-        max_tokens: int, dtype: str = "auto") -> dict:
+        max_tokens: int, args: argparse.Namespace, dtype: str = "auto") -> dict:
     kw = {}
     if algo is not None:
         kw = dict(speculative_algorithm=algo, speculative_num_steps=k)
     llm = LLM(model, device=device, dtype=dtype, enable_prefix_cache=False,
               max_running_reqs=max(batch, 8), **kw)
-    prompts = workload(llm, batch, llm.engine.model.config.vocab_size)
+    prompts = workload(llm, batch, llm.engine.model.config.vocab_size, args)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts, params)  # warm-up
@@ -109,14 +127,18 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--tie-eps", type=float, default=0.07)
     ap.add_argument("--out", default="spec.json")
+    ap.add_argument("--workload", choices=["repetitive", "heldout"], default="repetitive")
+    ap.add_argument("--corpus", default="build/corpus", help="for --workload heldout")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="for --workload heldout")
     args = ap.parse_args()
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        base = run(args.model, args.device, None, 0, batch, args.max_tokens, args.dtype)
+        base = run(args.model, args.device, None, 0, batch, args.max_tokens, args, args.dtype)
         rows.append(base)
         for algo in ("ngram", "mtp"):
             for k in [int(x) for x in args.ks.split(",")]:
-                r = run(args.model, args.device, algo, k, batch, args.max_tokens, args.dtype)
+                r = run(args.model, args.device, algo, k, batch, args.max_tokens, args,
+                        args.dtype)
                 r.update(compare(base, r, args.tie_eps))
                 r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
                 rows.append(r)

@@ -7,13 +7,15 @@ model fails on CPU tensors ("0 active drivers"). The original pure-torch functio
 reachable as the wrappers' `__wrapped__`. `torch_gdn_reference()` swaps them in for the
 duration of a `with` block and restores the bound ones afterwards.
 
-Used by the CPU tests and by the training script on CPU. On CUDA leave the fla kernels alone.
+Used by the CPU tests, and by the training script on every device with `chunk_fn` =
+`gdn_chunked.chunk_gated_delta_rule_torch` (fla-core's gated backward is refused on Hopper
+with Triton < 3.7.1). Inference on CUDA leaves the fla kernels alone.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 _MODULES = (
@@ -25,8 +27,9 @@ _FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"
 
 
 @contextmanager
-def torch_gdn_reference() -> Iterator[None]:
-    """Within the block, transformers' GDN layers use their pure-torch recurrence.
+def torch_gdn_reference(chunk_fn: Callable | None = None) -> Iterator[None]:
+    """Within the block, transformers' GDN layers use their pure-torch recurrence, or
+    `chunk_fn` (same signature as `torch_chunk_gated_delta_rule`) for whole sequences.
 
     Mutates the module globals named in `_FUNCTIONS` of the modeling modules that exist and
     restores them on exit (also on error). Not thread-safe: do not nest across threads.
@@ -41,7 +44,9 @@ def torch_gdn_reference() -> Iterator[None]:
             for fn_name in _FUNCTIONS:
                 bound = getattr(mod, fn_name, None)
                 original = getattr(bound, "__wrapped__", None)
-                if original is not None:
+                if chunk_fn is not None and fn_name == "torch_chunk_gated_delta_rule":
+                    original = chunk_fn
+                if bound is not None and original is not None:
                     saved.append((mod, fn_name, bound))
                     setattr(mod, fn_name, original)
         yield

@@ -90,12 +90,18 @@ def mtp_losses(
         n = seq - d - 1  # rows i = 0..n-1 predict t_{i+d+1}
         h = h[:, :n]
         nxt = embed(input_ids[:, d : d + n])
-        pos = torch.arange(d - 1, d - 1 + n, device=input_ids.device).expand(bsz, n)
-        h = mtp(nxt, h, rotary(h, pos))
+        h = mtp(nxt, h, rotary(h, text_positions(d - 1, n, bsz, input_ids.device)))
         logits = model.lm_head(h).float()
         target = input_ids[:, d + 1 : d + 1 + n]
         losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)))
     return losses
+
+
+def text_positions(start: int, n: int, bsz: int, device: torch.device) -> torch.Tensor:
+    """Positions start..start+n-1 as the [3, bsz, n] int64 ids Qwen3.5's multimodal rotary
+    embedding takes (its t/h/w sections equal for text); transformers 5.17 accepts only this
+    shape, later versions also a [bsz, n] one."""
+    return torch.arange(start, start + n, device=device).view(1, 1, n).expand(3, bsz, n)
 
 
 @torch.no_grad()
@@ -110,7 +116,7 @@ def greedy_first_draft_agreement(
     """
     bsz, seq = input_ids.shape
     n = seq - 1
-    pos = torch.arange(n, device=input_ids.device).expand(bsz, n)
+    pos = text_positions(0, n, bsz, input_ids.device)
     rotary = model.model.rotary_emb
     h = mtp(model.get_input_embeddings()(input_ids[:, 1:]), hidden[:, :-1], rotary(hidden, pos))
     draft = model.lm_head(h).argmax(-1)  # row i drafts t_{i+2}

@@ -1,0 +1,59 @@
+"""The training-time chunked gated delta rule against transformers' own torch implementation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen3_5 import modeling_qwen3_5
+
+from deltaserve.default_model.gdn_chunked import chunk_gated_delta_rule_torch
+
+# both compute in fp32 (as fla does), so they agree to fp32 rounding.
+# transformers binds fla's kernel at import when fla is installed; the torch original stays
+# reachable as __wrapped__
+_bound = modeling_qwen3_5.torch_chunk_gated_delta_rule
+ORACLE = getattr(_bound, "__wrapped__", _bound)
+
+
+def _inputs(seq: int, h: int, hv: int, dk: int, dv: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    bsz = 2
+    q = torch.randn(bsz, seq, h, dk, generator=gen)
+    k = torch.randn(bsz, seq, h, dk, generator=gen)
+    v = torch.randn(bsz, seq, hv, dv, generator=gen)
+    g = -torch.rand(bsz, seq, hv, generator=gen) * 0.5  # decays exp(g) in (0.6, 1]
+    beta = torch.rand(bsz, seq, hv, generator=gen)
+    state = torch.randn(bsz, hv, dk, dv, generator=gen)
+    return [x.requires_grad_() for x in (q, k, v, g, beta, state)]
+
+
+@pytest.mark.parametrize("seq,chunk", [(1, 64), (64, 64), (150, 64), (100, 32)])
+@pytest.mark.parametrize("h,hv", [(2, 2), (2, 4)])
+def test_outputs_final_state_and_gradients_match_transformers_torch_rule(seq, chunk, h, hv):
+    dk, dv = 16, 8
+    xs = _inputs(seq, h, hv, dk, dv, seed=seq + hv)
+    results = []
+    for fn in (chunk_gated_delta_rule_torch, ORACLE):
+        q, k, v, g, beta, state = xs
+        out, final = fn(q, k, v, g, beta, chunk_size=chunk, initial_state=state,
+                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+        grads = torch.autograd.grad((out * out).sum() + final.sum(), xs)
+        results.append((out, final, grads))
+    (out, final, grads), (ref_out, ref_final, ref_grads) = results
+    assert out.shape == ref_out.shape and out.dtype == ref_out.dtype
+    torch.testing.assert_close(out, ref_out, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(final, ref_final.to(final.dtype), rtol=2e-5, atol=2e-5)
+    for name, got, want in zip("q k v g beta state".split(), grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"d/d{name}")
+
+
+def test_no_initial_state_is_a_zero_state_and_no_final_state_is_returned_unless_asked():
+    q, k, v, g, beta, state = (x.detach() for x in _inputs(70, 2, 2, 16, 8, seed=3))
+    out, final = chunk_gated_delta_rule_torch(q, k, v, g, beta)
+    zero_out, _ = chunk_gated_delta_rule_torch(q, k, v, g, beta,
+                                               initial_state=torch.zeros_like(state))
+    assert final is None
+    torch.testing.assert_close(out, zero_out, rtol=0, atol=0)
+    ref_out, _ = ORACLE(q, k, v, g, beta)
+    # without the L2 norm outputs reach ~5, so the fp32 rounding is larger
+    torch.testing.assert_close(out, ref_out.to(out.dtype), rtol=1e-4, atol=1e-4)
