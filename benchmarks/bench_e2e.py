@@ -6,15 +6,18 @@ tokens. The anchor (transformers generating on the same weights) is measured in 
 when --anchor is given. Prints a table and writes JSON.
 
     python benchmarks/bench_e2e.py --out e2e.json [--hidden 1024 --layers 24] [--anchor]
+    python benchmarks/bench_e2e.py --model default --out e2e_default.json   # a given checkpoint
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -43,6 +46,22 @@ def build_checkpoint(path: str, hidden: int, layers: int, vocab: int) -> int:
     return n_params
 
 
+def given_checkpoint(model: str) -> tuple[str, int, int]:
+    """(folder, parameters without mtp.*, vocabulary) of --model ('default': embedded)."""
+    from safetensors import safe_open
+
+    from deltaserve.default_model import default_model_path
+    from deltaserve.model.config import ModelConfig
+
+    path = default_model_path() if model == "default" else model
+    n_params = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            n_params += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys()
+                            if not k.startswith("mtp."))
+    return path, n_params, ModelConfig.from_pretrained(path).vocab_size
+
+
 def timed(fn, *args, **kwargs) -> float:
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -58,6 +77,9 @@ def prompt(n: int, vocab: int, seed: int) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None,
+                    help="checkpoint folder, or 'default' for the embedded model, instead of "
+                         "a random checkpoint of --hidden/--layers/--vocab")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--vocab", type=int, default=151936)
@@ -68,8 +90,13 @@ def main() -> None:
     ap.add_argument("--out", default="e2e.json")
     args = ap.parse_args()
     res: dict = {"config": vars(args).copy()}
-    with tempfile.TemporaryDirectory() as path:
-        res["params"] = build_checkpoint(path, args.hidden, args.layers, args.vocab)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tmp
+        if args.model is None:
+            res["params"] = build_checkpoint(path, args.hidden, args.layers, args.vocab)
+        else:
+            path, res["params"], args.vocab = given_checkpoint(args.model)
+            args.hidden = args.layers = 0  # not used: the checkpoint's own
         llm = LLM(path, device="cuda", dtype="bfloat16", kv_memory_gb=8.0, page_size=16,
                   chunk_size=8192, max_num_batched_tokens=8192, max_running_reqs=64)
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -93,7 +120,8 @@ def main() -> None:
         torch.cuda.empty_cache()
         if args.anchor:
             res.update(anchor(path, args))
-    print(f"model: {res['params'] / 1e6:.0f}M params, hidden {args.hidden}, {args.layers} layers")
+    print(f"model: {res['params'] / 1e6:.1f}M params, {args.model or 'random'}, hidden "
+          f"{args.hidden or '-'}, {args.layers or '-'} layers")
     for key in ("prefill_tok_s", "decode_b1_tok_s", "decode_b32_tok_s", "ttft_followup_s",
                 "prefill_new_only_s", "ttft_cold_s", "followup_cached_tokens",
                 "anchor_decode_b1_tok_s", "anchor_decode_b32_tok_s", "anchor_prefill_s"):
