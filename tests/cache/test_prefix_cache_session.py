@@ -41,10 +41,12 @@ class CacheMachine(RuleBasedStateMachine):
     cache_cls: type[PrefixCache] = PrefixCache
     bank_cls: type[HostSnapshotBank] = HostSnapshotBank
 
-    @initialize(page_size=st.sampled_from([1, 2, 4, 8]), bank=st.sampled_from([None, 0, 2, 3]))
+    @initialize(page_size=st.sampled_from([1, 2, 4, 8]),
+                bank=st.sampled_from([None, 0, 1, 2, 3, 2, 3]))
     def start(self, page_size, bank):
         # small pools: three requests of up to 40 tokens do not fit, so admission evicts; a
-        # bank of a few slots fills up, so moves to it drop host snapshots
+        # bank of a few slots (2 and 3 drawn twice as often) fills up, so moves drop host
+        # snapshots
         self.s = Session(page_size, num_pages=1 + 80 // page_size, num_slots=7, grid=GRID,
                          cache_cls=self.cache_cls, bank_slots=bank, bank_cls=self.bank_cls)
 
