@@ -24,6 +24,7 @@ class EngineConfig:
     num_pages: int | None = None  # KV pages; None: sized from kv_memory_gb
     kv_memory_gb: float = 1.0  # KV + GDN snapshot budget when num_pages is None
     num_snapshot_slots: int | None = None  # device GDN snapshot slots; None: 2 x max_running_reqs
+    host_snapshot_slots: int = 0  # GDN snapshot slots in pinned host memory; 0 = no host bank
     enable_prefix_cache: bool = True
     snapshot_grid: int = 64
     max_prompt_snapshots: int = 64  # GDN snapshots per prompt at prefill chunk ends; 0 = off
@@ -40,6 +41,8 @@ class EngineConfig:
             raise ValueError("page_size must be >= 1")
         if self.snapshot_grid < 64 or self.snapshot_grid % 64:
             raise ValueError("snapshot_grid must be a multiple of 64 (the chunk grid)")
+        if self.host_snapshot_slots < 0:
+            raise ValueError("host_snapshot_slots must be >= 0 (0: no host snapshot bank)")
         if self.num_snapshot_slots is not None and self.num_snapshot_slots < 0:
             raise ValueError("num_snapshot_slots must be >= 0")
         if self.max_prompt_snapshots < 0:

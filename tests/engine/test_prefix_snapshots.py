@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
@@ -145,6 +146,44 @@ def test_admission_short_of_slots_takes_chunk_snapshots_back_and_outputs_stay_ex
     assert_drained(eng)
 
 
+def test_a_snapshot_restored_from_a_small_host_bank_is_bitwise_the_device_one(ckpt):
+    # 6 device slots: the first prompt's prefill holds 5 (live, track, 3 chunk snapshots);
+    # the second prompt's prefill then moves three of its four snapshots to the 3-slot bank
+    llm = make(ckpt, max_running_reqs=1, num_snapshot_slots=4, host_snapshot_slots=3)
+    eng = llm.engine
+    cache, pool, bank = eng.prefix_cache, eng.state_pool, eng.host_bank
+    first = tokens(300, seed=14)
+    llm.generate([first], GREEDY)
+    saved = {n.depth: (n, pool.recurrent[:, n.snapshot_slot].clone(),
+                       pool.conv[:, n.snapshot_slot].clone())
+             for n in cache.tree.nodes() if n.snapshot_slot is not None}
+    assert sorted(saved) == [64, 128, 192, 256]
+    llm.generate([tokens(300, seed=15)], GREEDY)
+    bank.synchronize()
+    moved = sorted(d for d, (node, _, _) in saved.items() if node.host_slot is not None)
+    status = eng.cache_status()
+    assert moved == [128, 192, 256] and status["host_slots_used"] == status["host_slots_total"]
+    assert status["host_bytes_used"] == 3 * status["slot_bytes"] == status["host_bytes_total"]
+    for depth in moved:
+        node, recurrent, conv = saved[depth]
+        assert torch.equal(bank.recurrent[:, node.host_slot], recurrent), depth
+        assert torch.equal(bank.conv[:, node.host_slot], conv), depth
+    replay = first[:200] + tokens(10, seed=16)
+    match = cache.match(replay)
+    assert match.cached_len == 192 and match.host_slot is not None
+    cache.lock(match.node)
+    slot = pool.allocate()
+    cache.restore(match, slot)  # what admission does
+    assert torch.equal(pool.recurrent[:, slot], saved[192][1])
+    assert torch.equal(pool.conv[:, slot], saved[192][2])
+    pool.free(slot)
+    cache.unlock(match.node)
+    (out,) = llm.generate([replay], GREEDY)
+    assert out.cached_tokens == 192
+    assert out.token_ids == cold(ckpt, replay)
+    assert_drained(eng)
+
+
 def test_an_aborted_request_frees_its_chunk_snapshots(ckpt):
     llm = make(ckpt)
     eng = llm.engine
@@ -155,3 +194,15 @@ def test_an_aborted_request_frees_its_chunk_snapshots(ckpt):
     assert eng.abort(rid)
     assert eng.prefix_cache.stats().n_snapshots == 0  # nothing of an aborted prompt is cached
     assert_drained(eng)
+
+
+def test_the_step_log_line_reports_slots_in_use_on_device_and_in_the_host_bank(ckpt, caplog):
+    llm = make(ckpt, max_running_reqs=1, num_snapshot_slots=1, host_snapshot_slots=2,
+               log_every=1)
+    with caplog.at_level("INFO", logger="deltaserve.engine"):
+        for seed in (17, 18):
+            llm.generate([tokens(150, seed=seed)], GREEDY)
+    lines = [r.getMessage() for r in caplog.records if "#host-slots" in r.getMessage()]
+    assert "#slots 3/3 used on device" in lines[0] and "#host-slots 0/2 used" in lines[0]
+    assert "#host-slots 2/2 used" in lines[-1]  # the first prompt's 64 and 128 moved out
+    assert_drained(llm.engine)

@@ -32,13 +32,15 @@ def test_every_engine_flag_sets_its_config_field():
     cfg = parse("--model", "/m", "--dtype", "float32", "--device", "cpu", "--page-size", "64",
                 "--chunk-size", "128", "--max-running-reqs", "3", "--max-model-len", "1000",
                 "--num-pages", "99", "--kv-memory-gb", "0.5", "--num-snapshot-slots", "7",
+                "--host-snapshot-slots", "11", "--max-prompt-snapshots", "8",
                 "--disable-prefix-cache", "--speculative-algorithm", "ngram",
                 "--speculative-num-steps", "3", "--disable-cuda-graphs", "--log-every", "10",
                 "--seed", "5")
     assert cfg == EngineConfig(
         model="/m", dtype="float32", device="cpu", page_size=64, chunk_size=128,
         max_running_reqs=3, max_model_len=1000, num_pages=99, kv_memory_gb=0.5,
-        num_snapshot_slots=7, enable_prefix_cache=False, speculative_algorithm="ngram",
+        num_snapshot_slots=7, host_snapshot_slots=11, max_prompt_snapshots=8,
+        enable_prefix_cache=False, speculative_algorithm="ngram",
         speculative_num_steps=3, decode_rows_per_req=4, cuda_graphs=False, log_every=10, seed=5)
 
 
@@ -53,6 +55,16 @@ def test_every_config_field_has_a_flag():
 def test_a_bad_flag_value_exits_with_a_clear_message():
     with pytest.raises(ValueError, match="dtype"):
         parse("--dtype", "int3")
+
+
+@pytest.mark.parametrize("flag", ["--host-snapshot-slots", "--max-prompt-snapshots",
+                                  "--num-snapshot-slots"])
+def test_a_negative_snapshot_slot_count_is_refused_at_startup_naming_the_flag(flag):
+    field = flag.removeprefix("--").replace("-", "_")
+    with pytest.raises(ValueError, match=field):
+        parse(flag, "-1")
+    with pytest.raises(SystemExit, match=f"deltaserve: error: {field}"):  # one line, no trace
+        main(["generate", flag, "-2", "hi"])
 
 
 def test_generate_prints_a_completion(tiny_model, capsys):

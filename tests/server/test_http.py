@@ -255,6 +255,7 @@ def test_after_all_requests_end_a_flush_frees_every_page_and_slot(client, served
     status = cache_status(client)
     assert status["pages_free"] == status["pages_total"]
     assert status["slots_free"] == status["slots_total"]
+    assert status["host_slots_used"] == status["host_bytes_used"] == 0
     assert r.json()["cache_status"] == status
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.cache.host_bank import HostSnapshotBank
 from deltaserve.cache.lookahead import lookahead_keys
 from deltaserve.cache.page_pool import PagePool
 from deltaserve.cache.prefix_cache import PrefixCache
@@ -151,9 +152,13 @@ class LLMEngine:
             mc.num_gdn_layers, num_slots, mc.linear_num_value_heads, mc.linear_value_head_dim,
             mc.linear_key_head_dim, mc.conv_dim, mc.linear_conv_kernel_dim, self.device,
             self.dtype)
+        # evicted device snapshots move here instead of being dropped
+        self.host_bank = (HostSnapshotBank.like(self.state_pool, cfg.host_snapshot_slots)
+                          if cfg.host_snapshot_slots > 0 and cfg.enable_prefix_cache else None)
         self.prefix_cache = PrefixCache(self.page_pool, self.state_pool, cfg.page_size,
                                         grid=math.lcm(cfg.snapshot_grid, cfg.page_size),
-                                        key_fn=lookahead_keys if cfg.radix_lookahead else None)
+                                        key_fn=lookahead_keys if cfg.radix_lookahead else None,
+                                        host_bank=self.host_bank)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
@@ -265,21 +270,22 @@ class LLMEngine:
             return
         new = batch.num_tokens
         cached = sum(r.cached_len for r in batch.reqs) if batch.phase is Phase.PREFILL else 0
-        pool = self.page_pool
+        pool, host = self.page_pool, self.prefix_cache.host_usage()
         logger.info(
             "step %d %s batch: #req %d, #new-token %d, #cached-token %d, pages %d/%d used, "
-            "#slots %d/%d used, running %d, waiting %d", self.num_steps, batch.phase.value,
-            batch.size, new, cached, pool.num_pages - 1 - pool.num_free, pool.num_pages - 1,
+            "#slots %d/%d used on device, #host-slots %d/%d used, running %d, waiting %d",
+            self.num_steps, batch.phase.value, batch.size, new, cached,
+            pool.num_pages - 1 - pool.num_free, pool.num_pages - 1,
             self.state_pool.num_slots - 1 - self.state_pool.num_free,
-            self.state_pool.num_slots - 1, len(self.scheduler.running),
-            len(self.scheduler.waiting))
+            self.state_pool.num_slots - 1, host.n_used, host.n_slots,
+            len(self.scheduler.running), len(self.scheduler.waiting))
 
     # ---- introspection ------------------------------------------------------------------
     def cache_status(self) -> dict:
-        """Pools and prefix cache now: pages, device slots, snapshots taken at prefill chunk
-        ends, queue lengths, hit tokens."""
+        """Pools and prefix cache now: pages, device slots, host-bank slots and bytes (all 0
+        without a bank), snapshots taken at prefill chunk ends, queue lengths, hit tokens."""
         pool, sp = self.page_pool, self.state_pool
-        stats = self.prefix_cache.stats()
+        stats, host = self.prefix_cache.stats(), self.prefix_cache.host_usage()
         snaps = self.scheduler.snaps
         return {
             "page_size": self.cfg.page_size,
@@ -289,6 +295,12 @@ class LLMEngine:
             "slots_total": sp.num_slots - 1,
             "slots_free": sp.num_free,
             "slots_snapshot": stats.n_snapshots,
+            "slot_bytes": sp.bytes_per_slot,
+            "host_slots_total": host.n_slots,
+            "host_slots_used": host.n_used,
+            "host_slots_snapshot": stats.n_host_snapshots,
+            "host_bytes_total": host.bytes_total,
+            "host_bytes_used": host.bytes_used,
             "chunk_snapshots_taken": snaps.n_taken,
             "chunk_snapshots_skipped": snaps.n_skipped,
             "running_requests": len(self.scheduler.running),
@@ -308,4 +320,5 @@ class LLMEngine:
             "waiting_requests": float(status["waiting_requests"]),
             "pages_used": float(status["pages_total"] - status["pages_free"]),
             "slots_used": float(status["slots_total"] - status["slots_free"]),
+            "host_slots_used": float(status["host_slots_used"]),
         }

@@ -118,8 +118,8 @@ class Scheduler:
                 return
             self.waiting.popleft()
             live = self.snaps.take_slot()  # may evict, but never the locked match
-            if match and match.snapshot_slot is not None:
-                self.state_pool.copy(match.snapshot_slot, live)
+            if match:  # from a device slot or the host bank; zeros on a miss
+                self.cache.restore(match, live)
             else:
                 self.state_pool.zero(live)
             self.snaps.reserve(req, depths)

@@ -32,6 +32,9 @@ _HELP = {
     "num_pages": "KV pages (default: sized from --kv-memory-gb)",
     "kv_memory_gb": "KV + snapshot memory budget in GiB when --num-pages is not given",
     "num_snapshot_slots": "device GDN snapshot slots (default: 2 x max running requests)",
+    "host_snapshot_slots": "GDN snapshot slots in pinned host memory, where snapshots evicted "
+                           "from the device go instead of being dropped (0: none; "
+                           "each slot takes the bytes of one device slot)",
     "enable_prefix_cache": "turn the hybrid prefix cache off",
     "snapshot_grid": "GDN snapshot spacing in tokens (a multiple of 64)",
     "max_prompt_snapshots": "GDN snapshots per prompt taken at prefill chunk ends, kept evenly "

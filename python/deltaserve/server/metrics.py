@@ -23,6 +23,12 @@ _CACHE_GAUGES = {
                    lambda s: s.get("slots_total", 0) - s.get("slots_free", 0)),
     "slots_snapshot": ("GDN state slots holding prefix-cache snapshots",
                        lambda s: s.get("slots_snapshot", 0)),
+    "host_slots_total": ("GDN snapshot slots in the host bank (0: no bank)",
+                         lambda s: s.get("host_slots_total", 0)),
+    "host_slots_used": ("Host bank slots holding prefix-cache snapshots",
+                        lambda s: s.get("host_slots_used", 0)),
+    "host_bytes_used": ("Pinned host bytes of the used host bank slots",
+                        lambda s: s.get("host_bytes_used", 0)),
 }
 
 
