@@ -1,5 +1,6 @@
 """Speculation with stops and the prefix cache: nothing after a stop is returned or cached, a
-follow-up turn built from what was returned gets its full prefix hit, lookahead keys keep
+follow-up turn built from what was returned gets its full prefix hit, a verify step crossing a
+grid boundary takes no snapshot there, lookahead keys, chunk snapshots and a host bank keep
 multi-turn outputs exact."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
 from deltaserve.spec.proposer import Proposer
 from drained import assert_drained
+from slow_decay import slow_decay
 
 
 class OracleProposer(Proposer):
@@ -29,6 +31,13 @@ class OracleProposer(Proposer):
 def ckpt(tmp_path_factory):
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("fin") / "m", "qwen3_5_text",
                                     seed=6))
+
+
+@pytest.fixture(scope="module")
+def slow_ckpt(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("slow") / "m", "qwen3_5_text", seed=9)
+    slow_decay(path)  # a stale or misplaced GDN state changes the tokens
+    return str(path)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -61,19 +70,56 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_output_and_the_cached_path
     assert turn2.token_ids == cold.token_ids
 
 
+def test_a_verify_step_crossing_a_grid_boundary_takes_no_snapshot_and_the_end_resumes_exactly(
+        slow_ckpt):
+    prompt = tokens(100, seed=10)
+    # 100 + 93 - 1 = 192 tokens processed at the end: on the grid; verify steps of 5 accepted
+    # rows run 100 -> 105 -> ... -> 125 -> 130, so 128 is crossed inside a step
+    greedy = SamplingParams(temperature=0.0, max_tokens=93, ignore_eos=True)
+    plain = llm(slow_ckpt, enable_prefix_cache=False).generate([prompt], greedy)[0].token_ids
+    spec = llm(slow_ckpt, chunk_size=64, speculative_algorithm="ngram",
+               speculative_num_steps=4)
+    spec.engine.spec.proposer = OracleProposer(4, {tuple(prompt): plain})
+    (out,) = spec.generate([prompt], greedy)
+    assert out.token_ids == plain
+    # every verify step but the last (cut by max_tokens) kept all 5 rows
+    assert spec.engine.spec_steps == -(-(len(plain) - 1) // 5)
+    cold = llm(slow_ckpt, enable_prefix_cache=False)
+    follow = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # cut between 128 and 192: only the prompt's boundary at 64 is below it
+    cut = prompt + out.token_ids[:50] + tokens(7, seed=11)
+    # the whole answer: the live state at release (192, exact after the replay) is cached
+    turn = prompt + out.token_ids + tokens(7, seed=12)
+    for ids, hit in ((cut, 64), (turn, 192)):
+        (got,) = spec.generate([ids], follow)
+        assert got.cached_tokens == hit
+        assert got.token_ids == cold.generate([ids], follow)[0].token_ids
+    assert_drained(spec.engine)
+
+
 @pytest.mark.parametrize("lookahead", [False, True])
-def test_turns_a_b_a_with_speculation_match_the_cache_off(ckpt, lookahead):
+@pytest.mark.parametrize("host_slots", [0, 3])
+def test_turns_a_b_a_with_speculation_match_the_cache_off(slow_ckpt, lookahead, host_slots):
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     a1, b1 = tokens(140, seed=3), tokens(150, seed=4)
-    cold = llm(ckpt, enable_prefix_cache=False)
-    spec = llm(ckpt, speculative_algorithm="ngram", speculative_num_steps=3,
-               radix_lookahead=lookahead)
+    cold = llm(slow_ckpt, enable_prefix_cache=False)
+    # with a bank: 3 device slots (a live one, a track, one more), so B's prefill pushes A's
+    # snapshots (the chunk snapshot at 64, the last boundary at 128) out to the bank
+    small = dict(max_running_reqs=1, num_snapshot_slots=1) if host_slots else {}
+    spec = llm(slow_ckpt, speculative_algorithm="ngram", speculative_num_steps=3, chunk_size=64,
+               radix_lookahead=lookahead, host_snapshot_slots=host_slots, **small)
     ra = spec.generate([a1], greedy)[0]
     rb = spec.generate([b1], greedy)[0]
-    a2 = a1 + ra.token_ids + tokens(20, seed=5)
-    ra2 = spec.generate([a2], greedy)[0]
-    assert ra2.cached_tokens == 128
-    for prompt, got in ((a1, ra), (b1, rb), (a2, ra2)):
+    a2 = a1 + ra.token_ids + tokens(20, seed=5)  # A's next turn
+    a3 = a1[:100] + tokens(10, seed=6)  # A replayed from inside its second chunk
+    cache = spec.engine.prefix_cache
+    for prompt, hit in ((a2, 128), (a3, 64)):
+        match = cache.match(prompt)
+        assert match.cached_len == hit
+        assert (match.host_slot is not None) == bool(host_slots)  # restored from the bank
+    ra2, ra3 = (spec.generate([p], greedy)[0] for p in (a2, a3))
+    assert (ra2.cached_tokens, ra3.cached_tokens) == (128, 64)
+    for prompt, got in ((a1, ra), (b1, rb), (a2, ra2), (a3, ra3)):
         assert got.token_ids == cold.generate([prompt], greedy)[0].token_ids
     assert_drained(spec.engine)
 
