@@ -118,15 +118,21 @@ def main() -> None:
             print(res["profile"])
         del llm
         torch.cuda.empty_cache()
+        report(res, args)  # before the anchor: a run cut short keeps deltaserve's figures
         if args.anchor:
             res.update(anchor(path, args))
+            report(res, args)
+
+
+def report(res: dict, args) -> None:
+    """Print the figures measured so far and write them to --out."""
     print(f"model: {res['params'] / 1e6:.1f}M params, {args.model or 'random'}, hidden "
-          f"{args.hidden or '-'}, {args.layers or '-'} layers")
+          f"{args.hidden or '-'}, {args.layers or '-'} layers", flush=True)
     for key in ("prefill_tok_s", "decode_b1_tok_s", "decode_b32_tok_s", "ttft_followup_s",
                 "prefill_new_only_s", "ttft_cold_s", "followup_cached_tokens",
                 "anchor_decode_b1_tok_s", "anchor_decode_b32_tok_s", "anchor_prefill_s"):
         if key in res:
-            print(f"{key:28s} {res[key]:.4g}")
+            print(f"{key:28s} {res[key]:.4g}", flush=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
 

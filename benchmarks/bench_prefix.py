@@ -107,7 +107,7 @@ def conversation(llm: LLM, cold: LLM, args) -> dict:
     for t in range(args.turns):
         history += tokens(per_turn, args.vocab, 1000 + t)
         prompts.append(list(history))
-        history += run(llm, history, args.answer_tokens)["tokens"]
+        history += run(llm, history, args.turn_answer_tokens)["tokens"]
     status = llm.engine.cache_status()
     n_others = push_out(llm, args, 5000)
     after = llm.engine.cache_status()
@@ -181,7 +181,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--prompt-tokens", type=int, default=32768)
     ap.add_argument("--message-tokens", type=int, default=256, help="a new message's length")
-    ap.add_argument("--answer-tokens", type=int, default=64)
+    ap.add_argument("--answer-tokens", type=int, default=32, help="answer generated in (a)")
+    ap.add_argument("--turn-answer-tokens", type=int, default=8,
+                    help="answer generated per turn in (d): decode past 8,192 KV positions "
+                         "runs without CUDA graphs, so long answers dominate the run time")
     ap.add_argument("--turns", type=int, default=40)
     ap.add_argument("--replay-turns", type=int, default=3, help="last turns resent in (d)")
     ap.add_argument("--other-tokens", type=int, default=4096, help="length of pushing prompts")
@@ -204,6 +207,7 @@ def parse_args() -> argparse.Namespace:
     if args.smoke:
         args.device, args.dtype, args.vocab = "cpu", "float32", 512
         args.prompt_tokens, args.message_tokens, args.answer_tokens = 640, 16, 4
+        args.turn_answer_tokens = 4
         args.turns, args.replay_turns, args.other_tokens = 5, 2, 192
         args.host_snapshot_slots, args.device_snapshot_slots = 32, 6
         args.chunk_size, args.kv_memory_gb, args.cuts = 64, 0.05, [0.25, 0.5, 0.75]
@@ -237,14 +241,30 @@ def main() -> None:
             for n in (args.prompt_tokens, args.message_tokens):
                 run(llm, warm[:n])
             llm.engine.flush_cache()
+        progress("warm-up done", res, args)
         for mode, llm in engines.items():
-            res[mode] = {**first_turns(llm, cold, args),
-                         "d_conversation": conversation(llm, cold, args)}
+            res[mode] = first_turns(llm, cold, args)
+            progress(f"{mode}: (a)-(c) done", res, args)
+            res[mode]["d_conversation"] = conversation(llm, cold, args)
+            progress(f"{mode}: (d) done", res, args)
         res["sweep"] = sweep(engines, cold, args)
     report(res)
+    save(res, args)
+    plot(res["sweep"], args.plot)
+
+
+_T0 = time.perf_counter()
+
+
+def progress(what: str, res: dict, args) -> None:
+    """A timestamped line, and the JSON so far (a run cut short still leaves its results)."""
+    print(f"[{time.perf_counter() - _T0:7.1f} s] {what}", flush=True)
+    save(res, args)
+
+
+def save(res: dict, args) -> None:
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
-    plot(res["sweep"], args.plot)
 
 
 def report(res: dict) -> None:

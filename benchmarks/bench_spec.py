@@ -69,36 +69,55 @@ def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts, params)  # warm-up
-    gaps: dict[int, list[float]] = {}
-    if algo is None:  # record the plain run's top-2 gap at every generated position
-        forward = llm.engine.runner.forward
+    decode_s = time_decode(llm, prompts, one, params, device)
+    eng = llm.engine
+    eng.spec_steps = eng.spec_committed = 0
+    gaps = record_gaps(llm, prompts, params) if algo is None else {}
+    outs = llm.generate(prompts, params) if algo is not None else None
+    tokens = [o.token_ids for o in outs] if outs is not None else gaps.pop("tokens")
+    return {"algo": algo or "off", "k": k if algo else 0, "batch": batch,
+            "decode_tok_s": batch * (max_tokens - 1) / max(decode_s, 1e-9),
+            "acceptance_length": eng.acceptance_length if algo is not None else None,
+            "tokens": tokens,
+            "gaps": gaps.get("gaps")}
 
-        def recording(batch, keep_hidden=False):
-            out = forward(batch, keep_hidden)
-            top2 = torch.topk(out.logits.float(), 2, dim=-1).values
-            for req, gap in zip(out.owners, (top2[:, 0] - top2[:, 1]).tolist()):
-                gaps.setdefault(req.rid, []).append(gap)
-            return out
 
-        llm.engine.graphs = None  # eager, so every step goes through the recorder
-        llm.engine.runner.forward = recording
+def time_decode(llm: LLM, prompts: list[list[int]], one: SamplingParams,
+                params: SamplingParams, device: str) -> float:
+    """Seconds of decoding (CUDA graphs as configured): all of `params` minus the prefill
+    with one token."""
     sync(device)
     t0 = time.perf_counter()
     llm.generate(prompts, one)
     sync(device)
     t1 = time.perf_counter()
-    eng = llm.engine
-    eng.spec_steps = eng.spec_committed = 0
-    gaps.clear()
-    outs = llm.generate(prompts, params)
+    llm.generate(prompts, params)
     sync(device)
     t2 = time.perf_counter()
-    decode_s = (t2 - t1) - (t1 - t0)
-    return {"algo": algo or "off", "k": k if algo else 0, "batch": batch,
-            "decode_tok_s": batch * (max_tokens - 1) / max(decode_s, 1e-9),
-            "acceptance_length": eng.acceptance_length,
-            "tokens": [o.token_ids for o in outs],
-            "gaps": [gaps[k] for k in sorted(gaps)][-len(prompts):] if gaps else None}
+    return (t2 - t1) - (t1 - t0)
+
+
+def record_gaps(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """An extra, untimed plain run that records the top-2 logit gap of every generated
+    position (eager: each step must pass the recorder); {"tokens": [...], "gaps": [...]}."""
+    eng = llm.engine
+    forward, graphs = eng.runner.forward, eng.graphs
+    gaps: dict[int, list[float]] = {}
+
+    def recording(batch, keep_hidden=False):
+        out = forward(batch, keep_hidden)
+        top2 = torch.topk(out.logits.float(), 2, dim=-1).values
+        for req, gap in zip(out.owners, (top2[:, 0] - top2[:, 1]).tolist()):
+            gaps.setdefault(req.rid, []).append(gap)
+        return out
+
+    eng.graphs, eng.runner.forward = None, recording
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        eng.graphs, eng.runner.forward = graphs, forward
+    return {"tokens": [o.token_ids for o in outs],
+            "gaps": [gaps[k] for k in sorted(gaps)][-len(prompts):]}
 
 
 def compare(base: dict, row: dict, eps: float) -> dict:
