@@ -64,7 +64,7 @@ def test_a_bank_of_zero_slots_is_valid_and_always_full():
 def test_bank_integrity_catches_a_slot_both_free_and_allocated():
     bank = HostSnapshotBank.like(make_pool(), 3)
     slot = bank.allocate()
-    bank._free.append(slot)  # corrupt on purpose
+    bank._ids._free.append(slot)  # corrupt on purpose
     with pytest.raises(AssertionError, match="both free and allocated"):
         bank.check_integrity()
 

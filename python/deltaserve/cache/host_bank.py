@@ -21,11 +21,11 @@ has read it. On CPU every copy is synchronous.
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from deltaserve.cache.free_list import FreeList
 from deltaserve.ops.snapshot import snapshot_copy
 
 if TYPE_CHECKING:
@@ -48,8 +48,7 @@ class HostSnapshotBank:
     the model's activation dtype, as in GDNStatePool. Bytes: see `bytes_per_slot`.
     """
 
-    __slots__ = ("num_layers", "num_slots", "recurrent", "conv", "device", "_stream",
-                 "_free", "_allocated")
+    __slots__ = ("num_layers", "num_slots", "recurrent", "conv", "device", "_stream", "_ids")
 
     def __init__(self, num_layers: int, num_slots: int, num_v_heads: int, head_v_dim: int,
                  head_k_dim: int, conv_dim: int, conv_width: int,
@@ -68,8 +67,7 @@ class HostSnapshotBank:
         self.conv = torch.zeros(num_layers, num_slots, conv_width - 1, conv_dim,
                                 dtype=conv_dtype, pin_memory=on_cuda)
         self._stream = torch.cuda.Stream(device=self.device) if on_cuda else None
-        self._free: deque[int] = deque(range(num_slots))
-        self._allocated: set[int] = set()
+        self._ids = FreeList(num_slots, first=0, noun="host slot")
 
     @classmethod
     def like(cls, state_pool: GDNStatePool, num_slots: int) -> HostSnapshotBank:
@@ -84,7 +82,7 @@ class HostSnapshotBank:
     @property
     def num_free(self) -> int:
         """Host slots that `allocate` can hand out now."""
-        return len(self._free)
+        return self._ids.num_free
 
     @property
     def bytes_per_slot(self) -> int:
@@ -94,31 +92,27 @@ class HostSnapshotBank:
                    for t in (self.recurrent, self.conv))
 
     def usage(self) -> BankUsage:
-        used = len(self._allocated)
+        used = self._ids.num_allocated
         per = self.bytes_per_slot
         return BankUsage(used, self.num_slots, used * per, self.num_slots * per)
 
     def is_allocated(self, slot: int) -> bool:
-        return slot in self._allocated
+        return self._ids.is_allocated(slot)
 
     def can_allocate(self, n: int = 1) -> bool:
         """Pure: whether `n` calls of `allocate()` would succeed."""
-        return 0 <= n <= len(self._free)
+        return self._ids.can_allocate(n)
 
     def allocate(self) -> int:
         """Take one free host slot (contents stale until `store`). Asserts `can_allocate(1)`.
         Free slots are reused first-in first-out, as in the device pools."""
-        assert self._free, "allocate() on a full host snapshot bank"
-        slot = self._free.popleft()
-        self._allocated.add(slot)
-        return slot
+        assert self._ids.num_free, "allocate() on a full host snapshot bank"
+        return self._ids.allocate(1)[0]
 
     def free(self, slot: int) -> None:
         """Return an allocated host slot (asserts it is). A copy still in flight on the copy
         stream stays ordered before any later copy into the slot."""
-        assert slot in self._allocated, f"free of host slot {slot}, which is not allocated"
-        self._allocated.remove(slot)
-        self._free.append(slot)
+        self._ids.free((slot,))
 
     # ---- copies -------------------------------------------------------------------------
     def store(self, pool: GDNStatePool, dev_slot: int, host_slot: int) -> None:
@@ -127,7 +121,7 @@ class HostSnapshotBank:
         stream, and before whatever is enqueued on it next (so `dev_slot` may be freed and
         reused at once). Host reads of the bank tensors need `synchronize()` first."""
         assert pool.is_allocated(dev_slot), f"store from device slot {dev_slot}, not allocated"
-        assert host_slot in self._allocated, f"store to host slot {host_slot}, not allocated"
+        assert self.is_allocated(host_slot), f"store to host slot {host_slot}, not allocated"
         self._copy((pool.recurrent, pool.conv), dev_slot, (self.recurrent, self.conv), host_slot)
 
     def load(self, host_slot: int, pool: GDNStatePool, dev_slot: int) -> None:
@@ -135,7 +129,7 @@ class HostSnapshotBank:
         of `pool`. On CUDA: asynchronous, after the work enqueued so far on the current stream
         (which may still read `dev_slot`'s old contents), and before the next kernels on it
         (which see the loaded state). `host_slot` is unchanged and may be freed at once."""
-        assert host_slot in self._allocated, f"load from host slot {host_slot}, not allocated"
+        assert self.is_allocated(host_slot), f"load from host slot {host_slot}, not allocated"
         assert pool.is_allocated(dev_slot), f"load to device slot {dev_slot}, not allocated"
         self._copy((self.recurrent, self.conv), host_slot, (pool.recurrent, pool.conv), dev_slot)
 
@@ -161,13 +155,7 @@ class HostSnapshotBank:
     def check_integrity(self) -> None:
         """Every slot 0..num_slots-1 is exactly one of free / allocated; tensors keep their
         shapes; pinned when serving a CUDA pool."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a host slot is on the free list twice"
-        both = free & self._allocated
-        assert not both, f"host slots both free and allocated: {both}"
-        everything = free | self._allocated
-        assert everything == set(range(self.num_slots)), (
-            f"host slots lost or foreign: {set(range(self.num_slots)) ^ everything}")
+        self._ids.check_integrity()
         assert self.recurrent.shape[:2] == self.conv.shape[:2] == (self.num_layers,
                                                                   self.num_slots)
         assert self.recurrent.dtype == torch.float32

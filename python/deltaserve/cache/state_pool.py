@@ -7,10 +7,9 @@ rows of a CUDA graph batch point there), so it is never handed out.
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
+from deltaserve.cache.free_list import FreeList
 from deltaserve.ops.snapshot import snapshot_copy
 
 
@@ -21,7 +20,7 @@ class GDNStatePool:
     window is channel-contiguous. `conv_dtype` is the model's activation dtype.
     """
 
-    __slots__ = ("num_layers", "num_slots", "recurrent", "conv", "_free", "_allocated")
+    __slots__ = ("num_layers", "num_slots", "recurrent", "conv", "_ids")
 
     def __init__(self, num_layers: int, num_slots: int, num_v_heads: int, head_v_dim: int,
                  head_k_dim: int, conv_dim: int, conv_width: int,
@@ -35,13 +34,12 @@ class GDNStatePool:
                                      dtype=torch.float32, device=device)
         self.conv = torch.zeros(num_layers, num_slots, conv_width - 1, conv_dim,
                                 dtype=conv_dtype, device=device)
-        self._free: deque[int] = deque(range(1, num_slots))
-        self._allocated: set[int] = set()
+        self._ids = FreeList(num_slots, first=1, noun="slot")
 
     @property
     def num_free(self) -> int:
         """Slots that `allocate` can hand out now."""
-        return len(self._free)
+        return self._ids.num_free
 
     @property
     def bytes_per_slot(self) -> int:
@@ -50,30 +48,26 @@ class GDNStatePool:
         return sum(per)
 
     def is_allocated(self, slot: int) -> bool:
-        return slot in self._allocated
+        return self._ids.is_allocated(slot)
 
     def can_allocate(self, n: int = 1) -> bool:
         """Pure: whether `n` calls of `allocate()` would succeed."""
-        return 0 <= n <= len(self._free)
+        return self._ids.can_allocate(n)
 
     def allocate(self) -> int:
         """Take one free slot. Its contents are stale (a previous owner's state) until the
         caller writes it with `zero`, `copy` or a kernel. Asserts `can_allocate(1)`."""
-        assert self._free, "allocate() on a full GDN state pool"
-        slot = self._free.popleft()
-        self._allocated.add(slot)
-        return slot
+        assert self._ids.num_free, "allocate() on a full GDN state pool"
+        return self._ids.allocate(1)[0]
 
     def free(self, slot: int) -> None:
         """Return an allocated slot (asserts it is: no double free, never slot 0). The
         tensors are not touched; the slot's contents stay readable but belong to nobody."""
-        assert slot in self._allocated, f"free of slot {slot}, which is not allocated"
-        self._allocated.remove(slot)
-        self._free.append(slot)
+        self._ids.free((slot,))
 
     def zero(self, slot: int) -> None:
         """Write the initial (all-zero) GDN state of every layer into allocated `slot`."""
-        assert slot in self._allocated, f"zero of slot {slot}, which is not allocated"
+        assert self.is_allocated(slot), f"zero of slot {slot}, which is not allocated"
         self.recurrent[:, slot].zero_()
         self.conv[:, slot].zero_()
 
@@ -81,8 +75,8 @@ class GDNStatePool:
         """Copy every layer's state (recurrent and conv) of `src_slot` into `dst_slot`; both
         allocated. On CUDA the copy is enqueued on the current stream (ordered before later
         kernels on it); `src_slot` is unchanged."""
-        assert src_slot in self._allocated, f"copy from slot {src_slot}, not allocated"
-        assert dst_slot in self._allocated, f"copy to slot {dst_slot}, not allocated"
+        assert self.is_allocated(src_slot), f"copy from slot {src_slot}, not allocated"
+        assert self.is_allocated(dst_slot), f"copy to slot {dst_slot}, not allocated"
         if src_slot == dst_slot:
             return
         pools = (self.recurrent, self.conv)
@@ -91,12 +85,6 @@ class GDNStatePool:
     def check_integrity(self) -> None:
         """Every slot 1..num_slots-1 is exactly one of free / allocated; slot 0 is neither;
         the tensors still have their pool shapes."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a slot is on the free list twice"
-        both = free & self._allocated
-        assert not both, f"slots both free and allocated: {both}"
-        everything = free | self._allocated
-        assert everything == set(range(1, self.num_slots)), (
-            f"slots lost or foreign: {set(range(1, self.num_slots)) ^ everything}")
+        self._ids.check_integrity()
         assert self.recurrent.shape[:2] == self.conv.shape[:2] == (self.num_layers, self.num_slots)
         assert self.recurrent.dtype == torch.float32
