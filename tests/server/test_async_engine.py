@@ -108,3 +108,50 @@ def test_shutdown_fails_requests_in_flight_and_refuses_new_ones(tiny_model):
     asyncio.run(run())
     assert not async_engine.alive
     assert not engine.has_unfinished()
+
+
+class LeakingEngine:
+    """The real engine, whose next step leaks one KV page and then raises (a step that fails
+    half-way through its bookkeeping), or only raises (leak=False)."""
+
+    def __init__(self, engine, leak: bool) -> None:
+        self._engine, self.leak, self.armed = engine, leak, True
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def step(self):
+        if self.armed:
+            self.armed = False
+            if self.leak:
+                self._engine.page_pool.allocate(1)
+            raise RuntimeError("injected step failure")
+        return self._engine.step()
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_a_failed_step_stops_the_engine_only_when_it_left_the_cache_inconsistent(
+        tiny_model, leak):
+    engine = LeakingEngine(make_engine(tiny_model), leak)
+    async_engine = AsyncEngine(engine)
+
+    async def run():
+        with pytest.raises(RuntimeError, match="injected"):
+            async for _ in async_engine.generate(prompt(engine), greedy(4)):
+                pass
+        if leak:
+            with pytest.raises(EngineDeadError):
+                await async_engine.add(prompt(engine), greedy(1))
+            return None
+        return [out async for out in async_engine.generate(prompt(engine), greedy(4))]
+
+    try:
+        outs = asyncio.run(run())
+        if leak:
+            assert not async_engine.alive
+            assert "1 KV pages leaked" in async_engine.failure
+        else:
+            assert async_engine.alive and async_engine.failure is None
+            assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 4
+    finally:
+        async_engine.shutdown()

@@ -96,6 +96,11 @@ class HostSnapshotBank:
         per = self.bytes_per_slot
         return BankUsage(used, self.num_slots, used * per, self.num_slots * per)
 
+    @property
+    def num_allocated(self) -> int:
+        """Host slots handed out and not yet freed."""
+        return self._ids.num_allocated
+
     def is_allocated(self, slot: int) -> bool:
         return self._ids.is_allocated(slot)
 

@@ -47,6 +47,11 @@ class GDNStatePool:
         per = [t[:, 0].numel() * t.element_size() for t in (self.recurrent, self.conv)]
         return sum(per)
 
+    @property
+    def num_allocated(self) -> int:
+        """Slots handed out and not yet freed."""
+        return self._ids.num_allocated
+
     def is_allocated(self, slot: int) -> bool:
         return self._ids.is_allocated(slot)
 

@@ -200,6 +200,24 @@ class LLMEngine:
     def flush_cache(self) -> None:
         self.prefix_cache.flush()
 
+    def check_integrity(self) -> None:
+        """The prefix cache's and the pools' own checks and, when no request is left, that
+        every allocated page, GDN state slot and host-bank slot is owned by the cache (so
+        nothing leaked). Raises AssertionError naming what is wrong. O(cache size)."""
+        self.prefix_cache.check_integrity()
+        if self.scheduler.has_unfinished():
+            return
+        tree, bank = self.prefix_cache.tree, self.prefix_cache.host_bank
+        assert self.page_pool.num_allocated == len(tree.pages), (
+            f"{self.page_pool.num_allocated - len(tree.pages)} KV pages leaked")
+        assert self.state_pool.num_allocated == len(tree.slots), (
+            f"{self.state_pool.num_allocated - len(tree.slots)} GDN state slots leaked")
+        if bank is not None:
+            assert bank.num_allocated == len(tree.host_slots), (
+                f"{bank.num_allocated - len(tree.host_slots)} host snapshot slots leaked")
+        snaps = self.scheduler.snaps
+        assert not snaps.tracks and not snaps.chunk, "snapshot slots of finished requests held"
+
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; return the outputs of requests that advanced."""

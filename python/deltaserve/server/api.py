@@ -152,7 +152,8 @@ def build_app(engine: AsyncEngine) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not engine.alive:
-            return error_response(503, "the engine thread is not running", "server_error")
+            why = engine.failure or "the engine thread is not running"
+            return error_response(503, why, "server_error")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -90,6 +90,7 @@ class AsyncEngine:
         self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future | None]] = []
         self._streams: dict[int, RequestStream] = {}  # guarded by _cond
         self._stopping = False  # guarded by _cond
+        self.failure: str | None = None  # why the loop stopped on its own (set once)
         self._rids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
         self._thread.start()
@@ -208,7 +209,23 @@ class AsyncEngine:
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_all(e)
                 busy = False
+                if not self._still_sound(e):
+                    break
         self._close()
+
+    def _still_sound(self, error: BaseException) -> bool:
+        """After a failed step and the abort of everything in flight: whether the engine's
+        caches and pools are still consistent (then it keeps serving). If not, it must not
+        serve another token: the loop stops, `alive` turns False and /health says why."""
+        try:
+            self.engine.check_integrity()
+            return True
+        except Exception as bad:
+            self.failure = f"engine step failed ({error}) and left the cache inconsistent: {bad}"
+            logger.error("%s; the engine stops", self.failure)
+            with self._cond:
+                self._stopping = True
+            return False
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._cond:
