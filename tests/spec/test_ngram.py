@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltaserve.core import Req, SamplingParams
 from deltaserve.spec.ngram.proposer import NgramProposer
 
 
@@ -17,3 +23,34 @@ def test_fewer_or_no_drafts_when_little_or_nothing_matches():
     assert p.lookup([1, 2, 3, 1]) == [2, 3, 1]
     assert p.lookup([1, 2, 3, 4]) == []
     assert p.lookup([9]) == []
+
+
+def reference_lookup(ids: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """The definition, by brute force: for n from max_n down, the latest start whose n tokens
+    equal the tail (the tail itself excluded), and up to k tokens after it."""
+    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start:start + n] == ids[-n:]:
+                return ids[start + n:start + n + k]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(ids=st.lists(st.integers(0, 4), min_size=0, max_size=60), k=st.integers(1, 5),
+       max_n=st.integers(1, 5))
+def test_lookup_equals_the_brute_force_definition(ids, k, max_n):
+    p = NgramProposer(k, max_n=max_n)
+    assert p.lookup(ids) == reference_lookup(ids, k, max_n)
+
+
+def test_propose_follows_a_growing_request_and_forgets_it_on_release():
+    rng = random.Random(0)
+    prompt = [rng.randrange(6) for _ in range(300)]  # > the buffer's first 256 tokens
+    req = Req(rid=7, prompt_ids=prompt, params=SamplingParams(), max_len=2000)
+    p = NgramProposer(3)
+    for _ in range(400):
+        assert p.propose([req]) == [reference_lookup(req.all_ids, 3)]
+        for _ in range(rng.randrange(1, 5)):  # a verify step commits 1..k+1 tokens
+            req.append_output(rng.randrange(6))
+    p.release(req)
+    assert p._buffers == {}
