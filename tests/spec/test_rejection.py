@@ -7,7 +7,7 @@ import torch
 
 from deltaserve.core import SamplingParams
 from deltaserve.engine.sampling import SamplingRow
-from deltaserve.spec.rejection import accept_drafts
+from deltaserve.spec.rejection import accept_drafts, accept_greedy
 
 # chi-square critical value, 5 degrees of freedom, p = 0.001
 CHI2_CRIT_DF5 = 20.52
@@ -80,3 +80,18 @@ def test_penalties_count_the_drafts_before_a_row():
     assert accept_drafts(logits, base, [2, 2]) == [2, 3]
     plain = SamplingRow(SamplingParams(temperature=0.0), [0], [], None)
     assert accept_drafts(logits, plain, [2, 2]) == [2, 2, 0]
+
+
+def test_the_batched_greedy_path_commits_what_row_by_row_sampling_commits():
+    gen = torch.Generator().manual_seed(3)
+    greedy = SamplingParams(temperature=0.0)
+    for trial in range(200):
+        k = trial % 5
+        logits = torch.randn(k + 1, 6, generator=gen)
+        argmax = logits.argmax(-1).tolist()
+        # drafts that agree with the argmax for a random prefix, then (maybe) disagree
+        n_agree = int(torch.randint(k + 1, (1,), generator=gen))
+        drafts = argmax[:n_agree] + [(t + 1) % 6 for t in argmax[n_agree:k]]
+        base = SamplingRow(greedy, [1], [], None)
+        assert accept_greedy(argmax, drafts) == accept_drafts(logits, base, drafts)
+        assert len(accept_greedy(argmax, drafts)) == n_agree + 1

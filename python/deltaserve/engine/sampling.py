@@ -80,7 +80,7 @@ def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     request gives the same tokens on any device.
     """
     assert logits.shape[0] == len(rows)
-    plain_greedy = [i for i, r in enumerate(rows) if r.params.greedy and _no_penalty(r.params)]
+    plain_greedy = [i for i, r in enumerate(rows) if is_plain_greedy(r.params)]
     out: list[int] = [0] * len(rows)
     if plain_greedy:
         idx = torch.tensor(plain_greedy, device=logits.device)
@@ -100,5 +100,8 @@ def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     return out
 
 
-def _no_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+def is_plain_greedy(p: SamplingParams) -> bool:
+    """Greedy without penalties: a row's token is the argmax of its logits alone (it does not
+    depend on the tokens before it), so many rows can be decided by one argmax."""
+    return p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 \
+        and p.frequency_penalty == 0.0

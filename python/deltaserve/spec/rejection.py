@@ -33,3 +33,19 @@ def accept_drafts(logits: torch.Tensor, base: SamplingRow, drafts: list[int]) ->
         if j == len(drafts) or token != drafts[j]:
             break
     return out
+
+
+def accept_greedy(targets: list[int], drafts: list[int]) -> list[int]:
+    """`accept_drafts` for a plain-greedy request (no penalties), given each row's argmax.
+
+    targets: the argmax token of rows 0..len(drafts) (at least len(drafts) + 1 of them).
+    Returns the accepted drafts followed by the first target that disagrees (or the bonus
+    target after all drafts): the same tokens `accept_drafts` commits for such a request.
+    """
+    assert len(targets) >= len(drafts) + 1
+    out: list[int] = []
+    for j, target in enumerate(targets[:len(drafts) + 1]):
+        out.append(target)
+        if j == len(drafts) or target != drafts[j]:
+            break
+    return out

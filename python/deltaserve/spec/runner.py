@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from deltaserve.engine.sampling import SamplingRow
+from deltaserve.engine.sampling import SamplingRow, is_plain_greedy
 from deltaserve.spec.proposer import Proposer
-from deltaserve.spec.rejection import accept_drafts
+from deltaserve.spec.rejection import accept_drafts, accept_greedy
 
 if TYPE_CHECKING:
     import torch
@@ -59,11 +59,19 @@ class SpecRunner:
             batch.draft_ids.append(d + [pad] * (k - len(d)))
 
     def accept(self, batch: Batch, logits: torch.Tensor) -> dict[int, list[int]]:
+        """Tokens each request commits, from the verify logits [B * (k+1), V]. Plain-greedy
+        requests are decided by one argmax over every row (one device sync per step); the
+        others row by row (their rows depend on the drafts before them)."""
         rows = self.num_steps + 1
+        plain = [is_plain_greedy(req.params) for req in batch.reqs]
+        best = logits.argmax(dim=-1).tolist() if any(plain) else []
         out = {}
         for i, req in enumerate(batch.reqs):
-            base = SamplingRow(req.params, req.prompt_ids, req.output_ids, req.generator)
             drafts = batch.draft_ids[i][:batch.num_drafts[i]]
+            if plain[i]:
+                out[req.rid] = accept_greedy(best[i * rows:(i + 1) * rows], drafts)
+                continue
+            base = SamplingRow(req.params, req.prompt_ids, req.output_ids, req.generator)
             out[req.rid] = accept_drafts(logits[i * rows:(i + 1) * rows], base, drafts)
         return out
 
