@@ -89,14 +89,16 @@ class AttentionMetadata:
         write = torch.zeros((num_reqs, rows), dtype=torch.long)
         mask = torch.zeros((num_reqs, 1, rows, kv_len), dtype=torch.bool)
         mask[n:, 0, :, 0] = True
-        pos = torch.arange(kv_len)
-        for i, (table, start) in enumerate(zip(page_tables, starts)):
-            end = start + rows
-            pages = torch.tensor(table, dtype=torch.long)
-            flat = pages[pos[:end] // page_size] * page_size + pos[:end] % page_size
-            gather[i, :end] = flat
-            write[i] = flat[start:]
-            mask[i, 0] = pos[None, :] <= torch.arange(start, end)[:, None]
+        if n:  # one set of batched ops for all requests: this runs on the host every step
+            n_pages = -(-kv_len // page_size)
+            table = torch.tensor([t[:n_pages] + [0] * (n_pages - len(t[:n_pages]))
+                                  for t in page_tables[:n]], dtype=torch.long)
+            pos = torch.arange(kv_len)
+            flat = table[:, pos // page_size] * page_size + pos % page_size  # [n, kv_len]
+            q_pos = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(rows)
+            gather[:n] = flat.masked_fill(pos[None, :] > q_pos[:, -1:], 0)
+            write[:n] = flat.gather(1, q_pos)
+            mask[:n, 0] = pos[None, None, :] <= q_pos[:, :, None]
         row_index = torch.arange(num_reqs * rows).view(num_reqs, rows)
         return cls(write.view(-1), gather, row_index, mask)
 
