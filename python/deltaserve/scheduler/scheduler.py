@@ -31,7 +31,7 @@ from deltaserve.scheduler.snapshots import PrefillSnapshots
 
 if TYPE_CHECKING:
     from deltaserve.cache.page_pool import PagePool
-    from deltaserve.cache.prefix_cache import PrefixCache
+    from deltaserve.cache.prefix_cache import PrefixCache, PrefixMatch
     from deltaserve.cache.state_pool import GDNStatePool
     from deltaserve.config import EngineConfig
 
@@ -102,20 +102,11 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_running_reqs:
             req = self.waiting[0]
-            match = self.cache.match(req.prompt_ids) if self.cfg.enable_prefix_cache else None
-            cached_len = match.cached_len if match else 0
-            if match:
-                self.cache.lock(match.node)
-            depths = self.snaps.track_depths(req.prompt_len, cached_len)
-            n_slots = 1 + len(depths)
-            need_pages = self.pages_needed(req) - len(match.pages if match else [])
-            avail_pages = (self.page_pool.num_free + self.cache.evictable_pages()
-                           - self.reserved_pages())
-            avail_slots = self.snaps.available_slots()
-            if need_pages > avail_pages or n_slots > avail_slots:
-                if match:
-                    self.cache.unlock(match.node)
+            plan = self._plan(req)
+            if plan is None:
                 return
+            match, depths = plan
+            cached_len = match.cached_len if match else 0
             self.waiting.popleft()
             live = self.snaps.take_slot()  # may evict, but never the locked match
             if match:  # from a device slot or the host bank; zeros on a miss
@@ -128,6 +119,36 @@ class Scheduler:
             self.hit_tokens += cached_len
             self.prompt_tokens += req.prompt_len
             self.running.append(req)
+
+    def _plan(self, req: Req) -> tuple[PrefixMatch | None, list[int]] | None:
+        """The prefix match `req` resumes from (locked) and the track depths to reserve, or
+        None when it must wait for running requests to free memory.
+
+        With nothing running, waiting would be for ever (nothing frees a slot), and the
+        locked match's path may hold every snapshot slot there is (a small
+        --num-snapshot-slots): then the track snapshots are given up, and if even the live
+        slot cannot be had, the match too (unlocked, its snapshots become evictable; check_fits
+        guarantees the pages of a cold start).
+        """
+        match = self.cache.match(req.prompt_ids) if self.cfg.enable_prefix_cache else None
+        if match:
+            self.cache.lock(match.node)
+        depths = self.snaps.track_depths(req.prompt_len, match.cached_len if match else 0)
+        need_pages = self.pages_needed(req) - len(match.pages if match else [])
+        avail_pages = (self.page_pool.num_free + self.cache.evictable_pages()
+                       - self.reserved_pages())
+        avail_slots = self.snaps.available_slots()
+        if need_pages <= avail_pages and 1 + len(depths) <= avail_slots:
+            return match, depths
+        if self.running or need_pages > avail_pages:
+            if match:
+                self.cache.unlock(match.node)
+            return None
+        if avail_slots >= 1:
+            return match, []
+        if match:
+            self.cache.unlock(match.node)
+        return None, []
 
     def _ensure_pages(self, req: Req, n_tokens: int) -> None:
         need = self.pages_for(n_tokens) - len(req.page_table)
@@ -142,8 +163,15 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         """Admit what fits, then return a prefill batch if any prompt is unfinished, else a
         decode batch of every running request (a verify batch of k+1 rows per request when
-        decode_rows_per_req > 1; each request widened by k pending rows); None when idle."""
+        decode_rows_per_req > 1; each request widened by k pending rows); None when idle.
+        Raises RuntimeError when requests wait and none runs after admission (nothing would
+        ever free memory for them: a bug, reported instead of spinning for ever)."""
         self._admit()
+        if self.waiting and not self.running:
+            raise RuntimeError(
+                f"admission stalled: {len(self.waiting)} waiting, none running; pages free "
+                f"{self.page_pool.num_free} + evictable {self.cache.evictable_pages()}, slots "
+                f"free {self.state_pool.num_free} + evictable {self.cache.evictable_slots()}")
         prefill = [r for r in self.running if r.in_prefill]
         if prefill:
             reqs, lens, budget = [], [], self.cfg.max_num_batched_tokens

@@ -1,0 +1,30 @@
+"""Admission with very few GDN state slots: the matched path may hold every snapshot slot."""
+
+from __future__ import annotations
+
+import random
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.model.testing import make_tiny_checkpoint
+from drained import assert_drained
+
+
+def test_a_request_is_admitted_when_its_locked_match_holds_every_snapshot_slot(tmp_path):
+    # 1 live slot + 2 x 1 track slots + 1 snapshot slot: after the first prompt the cache
+    # holds snapshots whose path the next match locks, so a request needing a live slot
+    # and a track slot finds neither free nor evictable, with nothing running to free one.
+    # Found by a fresh user (server spun for ever at 100% CPU); chunk 256, page 16.
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0)
+    llm = LLM(str(path), device="cpu", dtype="float32", max_running_reqs=1,
+              num_snapshot_slots=1, host_snapshot_slots=4, chunk_size=256, page_size=16,
+              num_pages=512)
+    rng = random.Random(0)
+    text = [rng.randrange(500) for _ in range(1645)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    cold = LLM(str(path), device="cpu", dtype="float32", enable_prefix_cache=False)
+    for n in (1645, 285, 515, 772, 1133, 772):
+        (out,) = llm.generate([text[:n]], params)
+        (ref,) = cold.generate([text[:n]], params)
+        assert out.token_ids == ref.token_ids, n
+        assert out.cached_tokens % 64 == 0 and out.cached_tokens < n
+    assert_drained(llm.engine)
