@@ -49,6 +49,19 @@ class EngineConfig:
             raise ValueError("max_prompt_snapshots must be >= 0 (0: no chunk snapshots)")
         if self.chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1 (or unset: the model's own)")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError("num_pages must be >= 2 (page 0 is a padding sink, so "
+                             "num_pages - 1 are usable)")
+        if self.num_pages is None and not self.kv_memory_gb > 0:
+            raise ValueError("kv_memory_gb must be > 0")
+        if self.log_every < 0:
+            raise ValueError("log_every must be >= 0 (0: no step log)")
+        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         if self.max_running_reqs < 1:
             raise ValueError("max_running_reqs must be >= 1")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):

@@ -49,3 +49,9 @@ def test_mtp_drafts_are_accepted_and_change_no_token():
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     # an untrained head gets ~1.0 (nothing accepted); the trained one ~3 on code
     assert spec.engine.acceptance_length >= 2.0
+
+
+def test_generation_stops_at_end_of_text_and_at_the_chat_turns_end(llm):
+    tok = llm.tokenizer
+    eos = {tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")}
+    assert set(llm.engine.model.config.eos_token_ids) == eos

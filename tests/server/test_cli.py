@@ -112,3 +112,16 @@ def test_serve_answers_on_a_free_port_and_stops_on_sigint(tiny_model):
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("flag,value,field", [
+    ("--max-num-batched-tokens", "0", "max_num_batched_tokens"),
+    ("--num-pages", "0", "num_pages"), ("--num-pages", "1", "num_pages"),
+    ("--num-pages", "-5", "num_pages"), ("--kv-memory-gb", "0", "kv_memory_gb"),
+    ("--kv-memory-gb", "-1", "kv_memory_gb"), ("--max-model-len", "0", "max_model_len"),
+    ("--log-every", "-1", "log_every"), ("--device", "tpu", "device")])
+def test_flags_that_would_make_a_useless_engine_are_refused_at_startup(flag, value, field):
+    with pytest.raises(ValueError, match=field):
+        parse(flag, value)
+    with pytest.raises(SystemExit, match=f"deltaserve: error: {field}"):  # one line, no trace
+        main(["generate", flag, value, "hi"])

@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _generate(args) if args.command == "generate" else _serve(args)
     except (ValueError, FileNotFoundError) as e:  # bad flags, checkpoint or device: one line
         print(f"deltaserve: error: {e}", file=sys.stderr)
-        return 2
+        return 1  # as SystemExit(message) gives; 2 stays argparse's usage errors
 
 
 if __name__ == "__main__":
