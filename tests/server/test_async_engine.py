@@ -155,3 +155,12 @@ def test_a_failed_step_stops_the_engine_only_when_it_left_the_cache_inconsistent
             assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 4
     finally:
         async_engine.shutdown()
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_model):
+    engine = make_engine(tiny_model)
+    vocab = engine.model.config.vocab_size
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            engine.add_request([1, 2], SamplingParams(max_tokens=2, stop_token_ids=[bad]))
+    assert not engine.has_unfinished()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from deltaserve.server.protocol import (
     ChatCompletionRequest,
@@ -85,3 +86,11 @@ def test_usage_reports_cached_tokens_in_the_openai_field():
     usage = Usage.of(prompt=200, completion=5, cached=128).model_dump()
     assert usage == {"prompt_tokens": 200, "completion_tokens": 5, "total_tokens": 205,
                      "prompt_tokens_details": {"cached_tokens": 128}}
+
+
+@pytest.mark.parametrize("field", ["stream", "ignore_eos"])
+@pytest.mark.parametrize("value", ["yes", "true", 1, 0])
+def test_switches_take_json_booleans_only(field, value):
+    with pytest.raises(ValidationError, match=field):
+        CompletionRequest.model_validate({"prompt": "x", field: value})
+    assert getattr(CompletionRequest.model_validate({"prompt": "x", field: True}), field) is True

@@ -163,14 +163,17 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     rid: int | None = None) -> int:
-        """Queue a request; raises ValueError for bad parameters or a prompt that is empty,
-        has ids outside the vocabulary, or leaves no room to generate within the context."""
+        """Queue a request; raises ValueError for bad parameters (stop token ids outside the
+        vocabulary too) or a prompt that is empty, has ids outside the vocabulary, or leaves
+        no room to generate within the context."""
         params.validate()
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.config.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens but the context length is "

@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StrictBool,
     model_serializer,
 )
 
@@ -51,7 +52,7 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _GenerationRequest(BaseModel):
@@ -71,8 +72,8 @@ class _GenerationRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
+    ignore_eos: StrictBool = False  # JSON true/false only: "yes" or 1 is a 400, not True
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
     user: str | None = None
