@@ -20,12 +20,11 @@ has read it. On CPU every copy is synchronous.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from deltaserve.cache.free_list import FreeList
+from deltaserve.cache.gdn_slots import GDNSlots
 from deltaserve.ops.snapshot import snapshot_copy
 
 if TYPE_CHECKING:
@@ -39,7 +38,7 @@ class BankUsage(NamedTuple):
     bytes_total: int  # host bytes of the bank
 
 
-class HostSnapshotBank:
+class HostSnapshotBank(GDNSlots):
     """Slots 0..N-1 of `.recurrent` [L, N, HV, V, K] fp32 and `.conv` [L, N, W-1, D].
 
     `device` is where the state pools it exchanges with live: on CUDA the tensors are pinned
@@ -48,26 +47,21 @@ class HostSnapshotBank:
     the model's activation dtype, as in GDNStatePool. Bytes: see `bytes_per_slot`.
     """
 
-    __slots__ = ("num_layers", "num_slots", "recurrent", "conv", "device", "_stream", "_ids")
+    __slots__ = ("device", "_stream")
 
     def __init__(self, num_layers: int, num_slots: int, num_v_heads: int, head_v_dim: int,
                  head_k_dim: int, conv_dim: int, conv_width: int,
                  device: torch.device | str = "cpu",
                  conv_dtype: torch.dtype = torch.float32) -> None:
         assert num_slots >= 0
-        assert conv_width >= 2, "the conv window holds conv_width - 1 >= 1 rows"
         self.device = torch.device(device)
         on_cuda = self.device.type == "cuda"
         if on_cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.num_layers = num_layers
-        self.num_slots = num_slots
-        self.recurrent = torch.zeros(num_layers, num_slots, num_v_heads, head_v_dim, head_k_dim,
-                                     dtype=torch.float32, pin_memory=on_cuda)
-        self.conv = torch.zeros(num_layers, num_slots, conv_width - 1, conv_dim,
-                                dtype=conv_dtype, pin_memory=on_cuda)
+        self._init_slots(num_layers, num_slots, num_v_heads, head_v_dim, head_k_dim, conv_dim,
+                         conv_width, conv_dtype, first=0, noun="host slot",
+                         what="host snapshot bank", pin_memory=on_cuda)
         self._stream = torch.cuda.Stream(device=self.device) if on_cuda else None
-        self._ids = FreeList(num_slots, first=0, noun="host slot")
 
     @classmethod
     def like(cls, state_pool: GDNStatePool, num_slots: int) -> HostSnapshotBank:
@@ -78,46 +72,9 @@ class HostSnapshotBank:
         return cls(n_layers, num_slots, hv, v, k, conv_dim, window + 1,
                    state_pool.recurrent.device, state_pool.conv.dtype)
 
-    # ---- allocator (mirrors GDNStatePool) -----------------------------------------------
-    @property
-    def num_free(self) -> int:
-        """Host slots that `allocate` can hand out now."""
-        return self._ids.num_free
-
-    @property
-    def bytes_per_slot(self) -> int:
-        """Host bytes one slot takes, all layers, recurrent plus conv (= the device pool's)."""
-        # from the shape, not t[:, 0]: a bank of 0 slots has no slot to index
-        return sum(t.shape[0] * math.prod(t.shape[2:]) * t.element_size()
-                   for t in (self.recurrent, self.conv))
-
     def usage(self) -> BankUsage:
-        used = self._ids.num_allocated
-        per = self.bytes_per_slot
+        used, per = self.num_allocated, self.bytes_per_slot
         return BankUsage(used, self.num_slots, used * per, self.num_slots * per)
-
-    @property
-    def num_allocated(self) -> int:
-        """Host slots handed out and not yet freed."""
-        return self._ids.num_allocated
-
-    def is_allocated(self, slot: int) -> bool:
-        return self._ids.is_allocated(slot)
-
-    def can_allocate(self, n: int = 1) -> bool:
-        """Pure: whether `n` calls of `allocate()` would succeed."""
-        return self._ids.can_allocate(n)
-
-    def allocate(self) -> int:
-        """Take one free host slot (contents stale until `store`). Asserts `can_allocate(1)`.
-        Free slots are reused first-in first-out, as in the device pools."""
-        assert self._ids.num_free, "allocate() on a full host snapshot bank"
-        return self._ids.allocate(1)[0]
-
-    def free(self, slot: int) -> None:
-        """Return an allocated host slot (asserts it is). A copy still in flight on the copy
-        stream stays ordered before any later copy into the slot."""
-        self._ids.free((slot,))
 
     # ---- copies -------------------------------------------------------------------------
     def store(self, pool: GDNStatePool, dev_slot: int, host_slot: int) -> None:
@@ -160,10 +117,7 @@ class HostSnapshotBank:
     def check_integrity(self) -> None:
         """Every slot 0..num_slots-1 is exactly one of free / allocated; tensors keep their
         shapes; pinned when serving a CUDA pool."""
-        self._ids.check_integrity()
-        assert self.recurrent.shape[:2] == self.conv.shape[:2] == (self.num_layers,
-                                                                  self.num_slots)
-        assert self.recurrent.dtype == torch.float32
+        super().check_integrity()
         assert not self.recurrent.is_cuda and not self.conv.is_cuda
         if self._stream is not None:
             assert self.recurrent.is_pinned() and self.conv.is_pinned()
