@@ -241,7 +241,8 @@ class PrefixCache:
         device snapshot itself, dropped, when it comes first). Without a bank it is dropped.
         A dropped snapshot of a leaf goes with the leaf's pages; an inner node keeps its pages
         and children. Locked nodes and every node handed out by `match` and locked stay valid;
-        other PrefixMatch results may not. O(tree log tree).
+        other PrefixMatch results may not. Pages: O(tree log tree); slots: O(snapshots log
+        snapshots).
         Returns what was freed (pages may exceed the request by part of a leaf).
         """
         assert n_pages >= 0 and n_slots >= 0
@@ -261,8 +262,7 @@ class PrefixCache:
                 if parent is not tree.root and parent.is_leaf and parent.lock_count == 0:
                     heapq.heappush(heap, (self._priority(parent), parent))
         if total[1] < n_slots:
-            heap = self._heap(n for n in tree.nodes()
-                              if n.snapshot_slot is not None and n.lock_count == 0)
+            heap = self._heap(n for n in tree.slots.values() if n.lock_count == 0)
             queue = None  # the bank's drop order, built when the bank is first full
             while total[1] < n_slots and heap:
                 _, node = heapq.heappop(heap)
@@ -271,7 +271,7 @@ class PrefixCache:
                     continue
                 if not bank.can_allocate(1):
                     if queue is None:
-                        queue = HostDropQueue(tree.nodes(), self._host_key)
+                        queue = HostDropQueue(tree.host_slots.values(), self._host_key)
                     victim = queue.pick(node)  # a host snapshot, or `node` itself
                     add(self._drop(victim))
                     if victim is node:

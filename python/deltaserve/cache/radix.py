@@ -74,8 +74,10 @@ class RadixTree:
         self._uids = itertools.count()
         self.root = RadixNode(next(self._uids), None, [], [], 0)
         self.pages: set[int] = set()  # every page id the tree owns
-        self.slots: set[int] = set()  # every device snapshot slot the tree owns
-        self.host_slots: set[int] = set()  # every host (bank) snapshot slot the tree owns
+        # every device / host (bank) snapshot slot the tree owns -> its node, so slot eviction
+        # looks at snapshot nodes only, not the whole tree (a split keeps a node's snapshot)
+        self.slots: dict[int, RadixNode] = {}
+        self.host_slots: dict[int, RadixNode] = {}
         self.num_locked_pages = 0
         self.num_locked_slots = 0
         self.num_locked_host_slots = 0
@@ -203,7 +205,7 @@ class RadixTree:
         assert not node.is_root and not node.has_snapshot, f"{node} has a snapshot already"
         owned = self.host_slots if host else self.slots
         assert slot not in owned, f"{'host ' * host}slot {slot} is already a tree snapshot"
-        owned.add(slot)
+        owned[slot] = node
         if host:
             node.host_slot = slot
             self.num_locked_host_slots += node.lock_count > 0
@@ -218,10 +220,10 @@ class RadixTree:
         assert (dev is None) != (host is None), f"{node} holds no snapshot"
         locked = node.lock_count > 0
         if dev is not None:
-            self.slots.remove(dev)
+            del self.slots[dev]
             self.num_locked_slots -= locked
         else:
-            self.host_slots.remove(host)
+            del self.host_slots[host]
             self.num_locked_host_slots -= locked
         node.snapshot_slot = node.host_slot = None
         return dev, host
@@ -303,8 +305,11 @@ class RadixTree:
         assert len(set(slots)) == len(slots), "a slot is the snapshot of two nodes"
         assert len(set(host_slots)) == len(host_slots), "a host slot is the snapshot of two nodes"
         assert set(pages) == self.pages, f"page set drifted: {set(pages) ^ self.pages}"
-        assert set(slots) == self.slots, f"slot set drifted: {set(slots) ^ self.slots}"
-        assert set(host_slots) == self.host_slots, (
-            f"host slot set drifted: {set(host_slots) ^ self.host_slots}")
+        assert set(slots) == set(self.slots), f"slot set drifted: {set(slots) ^ set(self.slots)}"
+        assert set(host_slots) == set(self.host_slots), (
+            f"host slot set drifted: {set(host_slots) ^ set(self.host_slots)}")
+        for owned, attr in ((self.slots, "snapshot_slot"), (self.host_slots, "host_slot")):
+            for slot, node in owned.items():
+                assert getattr(node, attr) == slot, f"slot {slot} maps to {node}"
         counters = [self.num_locked_pages, self.num_locked_slots, self.num_locked_host_slots]
         assert locked == counters, f"locked counters drifted: {locked} vs {counters}"
