@@ -3,8 +3,6 @@ a full bank gives up least recently used paths first and keeps snapshots spread 
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -12,6 +10,7 @@ from deltaserve.cache.host_bank import BankUsage, HostSnapshotBank
 from deltaserve.cache.page_pool import PagePool
 from deltaserve.cache.prefix_cache import PrefixCache
 from deltaserve.cache.state_pool import GDNStatePool
+from token_ids import random_tokens
 
 
 def make_cache(bank_slots: int, page_size: int = 16, num_slots: int = 32) -> PrefixCache:
@@ -26,8 +25,7 @@ def make_cache(bank_slots: int, page_size: int = 16, num_slots: int = 32) -> Pre
 
 
 def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(n)]
+    return random_tokens(n, seed, vocab=1000)
 
 
 def put(cache: PrefixCache, ids: list[int], depths: list[int]) -> dict[int, int]:

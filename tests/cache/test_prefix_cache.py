@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from deltaserve.cache.page_pool import PagePool
 from deltaserve.cache.prefix_cache import PrefixCache
 from deltaserve.cache.state_pool import GDNStatePool
+from token_ids import random_tokens
 
 
 def make_cache(page_size: int, grid: int = 64, num_tokens: int = 2048, num_slots: int = 32,
@@ -19,8 +18,7 @@ def make_cache(page_size: int, grid: int = 64, num_tokens: int = 2048, num_slots
 
 
 def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(n)]
+    return random_tokens(n, seed, vocab=1000)
 
 
 def put(cache: PrefixCache, ids: list[int], depths: list[int],

@@ -7,14 +7,13 @@ reference's top-2 logit gap is below GPU_EPS, and it is reported as a NearTieWar
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
 from drained import assert_drained
 from oracle import assert_same_greedy, assert_same_runs, reference_greedy
+from token_ids import random_tokens as tokens
 
 pytestmark = pytest.mark.gpu
 
@@ -25,11 +24,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("gpu") / "m", "qwen3_5_text", seed=4))
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(500) for _ in range(n)]
 
 
 def make(ckpt: str, **kw) -> LLM:

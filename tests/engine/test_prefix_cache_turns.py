@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
 from drained import assert_drained
 from slow_decay import slow_decay
+from token_ids import random_tokens as tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -19,11 +18,6 @@ def ckpt(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "m", "qwen3_5_text", seed=2)
     slow_decay(path)
     return str(path)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(500) for _ in range(n)]
 
 
 def make(ckpt: str, page_size: int, cache: bool = True, chunk_size: int = 64) -> LLM:

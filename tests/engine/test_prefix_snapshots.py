@@ -7,8 +7,6 @@ changes the tokens. The snapshot grid is G = lcm(64, page_size).
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -17,6 +15,7 @@ from deltaserve.model.testing import make_tiny_checkpoint
 from drained import assert_drained
 from oracle import assert_same_greedy, reference_greedy
 from slow_decay import slow_decay
+from token_ids import random_tokens as tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -26,11 +25,6 @@ def ckpt(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("snap") / "m", "qwen3_5_text", seed=4)
     slow_decay(path)
     return str(path)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(500) for _ in range(n)]
 
 
 def make(ckpt: str, page_size: int = 16, chunk_size: int = 64, **kw) -> LLM:

@@ -9,7 +9,6 @@ the whole sequence with the target's final hidden states from transformers.
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from safetensors.torch import load_file
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint, transformers_torch_kernels
 from drained import assert_drained
+from token_ids import random_tokens as tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
@@ -26,11 +26,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 def ckpt(tmp_path_factory):
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("mtp") / "m", "qwen3_5_text",
                                     seed=8, with_mtp=True))
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(500) for _ in range(n)]
 
 
 @torch.inference_mode()

@@ -5,8 +5,6 @@ multi-turn outputs exact."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from deltaserve import LLM, SamplingParams
@@ -14,6 +12,7 @@ from deltaserve.model.testing import make_tiny_checkpoint
 from deltaserve.spec.proposer import Proposer
 from drained import assert_drained
 from slow_decay import slow_decay
+from token_ids import random_tokens as tokens
 
 
 class OracleProposer(Proposer):
@@ -38,11 +37,6 @@ def slow_ckpt(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("slow") / "m", "qwen3_5_text", seed=9)
     slow_decay(path)  # a stale or misplaced GDN state changes the tokens
     return str(path)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(500) for _ in range(n)]
 
 
 def llm(ckpt: str, **kw) -> LLM:
