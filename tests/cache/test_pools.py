@@ -54,7 +54,7 @@ def test_freed_pages_are_reused_only_after_the_other_free_pages():
 def test_page_pool_integrity_catches_a_page_both_free_and_allocated():
     pool = PagePool(4, page_size=1)
     pages = pool.allocate(2)
-    pool._ids._free.append(pages[0])  # corrupt on purpose
+    pool._free.append(pages[0])  # corrupt on purpose
     with pytest.raises(AssertionError, match="both free and allocated"):
         pool.check_integrity()
 
