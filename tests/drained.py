@@ -7,7 +7,7 @@ def assert_drained(engine) -> None:
     """After all requests ended: the cache is consistent, and once flushed every page, every
     GDN state slot and every host-bank slot is free again (nothing leaked, nothing owned
     twice), and no request still holds snapshot slots."""
-    engine.prefix_cache.check_integrity()
+    engine.check_integrity()  # the cache's own checks and: everything allocated is the cache's
     engine.flush_cache()
     status = engine.cache_status()
     assert status["running_requests"] == status["waiting_requests"] == 0
