@@ -56,3 +56,63 @@ def test_device_to_host_copy_returns_before_the_copy_completes():
     done.synchronize()
     for a, b in zip(src, dst, strict=True):
         assert torch.equal(b[:, 0], a[:, 1].cpu()) and torch.equal(b[:, 2], a[:, 3].cpu())
+
+
+def _pool(layers, slots, slot_shape, dtype, seed, shift=0):
+    """A [layers, slots, *slot_shape] CUDA pool; `shift` elements past an allocation's start, so
+    shift=1 gives a base pointer that is not 16-byte aligned."""
+    gen = torch.Generator().manual_seed(seed)
+    numel = layers * slots * torch.Size(slot_shape).numel()
+    flat = torch.randn(numel + shift, generator=gen).to(dtype).cuda()
+    return flat[shift:].view(layers, slots, *slot_shape)
+
+
+# Per-slot bytes and base alignment pick the kernel's copy unit: 16-byte vectors over several
+# tiles of a row (64 KiB), a partial last tile (16400 B), the 4-byte path (60 B), the byte path
+# (30 B) and the 4-byte path forced by a base pointer 4 bytes past a 16-byte boundary.
+@pytest.mark.parametrize(("slot_shape", "dtype", "shift"), [
+    ((4, 64, 64), torch.float32, 0),
+    ((4100,), torch.float32, 0),
+    ((3, 5), torch.float32, 0),
+    ((3, 5), torch.bfloat16, 0),
+    ((4, 8), torch.float32, 1),
+])
+def test_device_copy_of_more_than_64_pairs_between_pools_of_other_sizes_matches_indexing(
+        slot_shape, dtype, shift):
+    src = _pool(3, 130, slot_shape, dtype, seed=4, shift=shift)
+    dst = _pool(3, 110, slot_shape, dtype, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    src_slots = torch.randint(0, 130, (100,), generator=gen).tolist()  # repeats: read twice
+    dst_slots = torch.randperm(110, generator=gen)[:100].tolist()
+    expected = dst.clone()
+    expected[:, dst_slots] = src[:, src_slots]
+    torch.ops.deltaserve.snapshot_copy(src, dst, src_slots, dst_slots)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, expected)
+
+
+def test_device_copy_within_one_pool_moves_disjoint_slots():
+    pool = _pool(4, 200, (3, 40), torch.bfloat16, seed=7)
+    src_slots, dst_slots = list(range(70)), list(range(199, 129, -1))
+    expected = pool.clone()
+    expected[:, dst_slots] = pool[:, src_slots]
+    torch.ops.deltaserve.snapshot_copy(pool, pool, src_slots, dst_slots)
+    torch.cuda.synchronize()
+    assert torch.equal(pool, expected)
+
+
+# All pairs of a call run at once, so these would race; each is refused before anything runs.
+@pytest.mark.parametrize(("same_pool", "src_slots", "dst_slots", "message"), [
+    (True, [3, 5], [4, 5], "both reads and writes slot 5"),  # a slot onto itself
+    (True, [3, 4], [4, 6], "both reads and writes slot 4"),  # 3 -> 4 while 4 -> 6
+    (False, [1, 2], [6, 6], "writes slot 6 twice"),
+])
+def test_device_copy_that_would_race_raises_and_copies_nothing(same_pool, src_slots, dst_slots,
+                                                                message):
+    pool = _pool(2, 8, (16,), torch.float32, seed=8)
+    dst = pool if same_pool else _pool(2, 8, (16,), torch.float32, seed=9)
+    before = dst.clone()
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.deltaserve.snapshot_copy(pool, dst, src_slots, dst_slots)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, before)
