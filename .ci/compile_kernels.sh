@@ -18,12 +18,13 @@ cat > "$WORK/all_kernels.cu" <<'CU'
 #include "kernels/conv1d.cuh"
 #include "kernels/gdn_recurrent.cuh"
 #include "kernels/gdn_replay.cuh"
+#include "kernels/snapshot_copy.cuh"
 
 template <typename T>
 static void instantiate_for() {
   ds::gdn::RecurrentParams rp{};
   ds::conv::ConvParams cp{};
-  for (int k : {64, 128, 256}) {
+  for (int k : {32, 64, 128, 256}) {
     (void)ds::gdn::launch_gdn_decode<T>(rp, k, nullptr);
     (void)ds::gdn::launch_gdn_verify<T>(rp, k, nullptr);
   }
@@ -38,7 +39,9 @@ void instantiate_all() {
   instantiate_for<ds::f16>();
   instantiate_for<float>();
   ds::gdn::ReplayParams p{};
-  for (int k : {64, 128, 256}) (void)ds::gdn::launch_gdn_replay(p, k, nullptr);
+  for (int k : {32, 64, 128, 256}) (void)ds::gdn::launch_gdn_replay(p, k, nullptr);
+  ds::snapshot::SnapshotCopyParams sp{};
+  (void)ds::snapshot::launch_snapshot_copy(sp, nullptr);
 }
 CU
 

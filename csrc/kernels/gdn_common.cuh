@@ -29,7 +29,8 @@ constexpr int kChunk = 8;        // verify/replay rows staged in shared memory a
 
 template <int K>
 struct Layout {
-  static_assert(K == 64 || K == 128 || K == 256, "head_k_dim must be 64, 128 or 256");
+  static_assert(K == 32 || K == 64 || K == 128 || K == 256,
+                "head_k_dim must be 32, 64, 128 or 256");
   static constexpr int kLanes = K / kPerLane;                 // lanes per value row
   static constexpr int kGroups = kThreads / kLanes;           // row groups per block
   static constexpr int kNormPieces = (K / 4 + kWarp - 1) / kWarp;  // float4 pieces per lane
@@ -87,17 +88,14 @@ DS_DEVICE float dot(const float (&x)[kPerLane], const float (&y)[kPerLane]) {
   return group_sum<Layout<K>::kLanes>(fadd(fadd(acc[0], acc[1]), fadd(acc[2], acc[3])));
 }
 
-// One warp: dst[0..K) = x * (rsqrt(sum(x^2) + eps) * scale) for the K-vector x at src (any
-// storage type); also to dst2 when not null (the verify stash). Lane l holds the float4 pieces
-// c * 32 + l; the sum is a fixed fma chain per lane, then a 32-lane butterfly.
+// One warp L2-normalises a K-vector in two halves, so a caller can issue the loads of several
+// vectors (and its other inputs) before the first one is needed: lane l holds the float4
+// pieces c * 32 + l. The sum is a fixed fma chain per lane, then a 32-lane butterfly.
 template <int K, typename T>
-DS_DEVICE void warp_l2_normalize(const T* __restrict__ src, float* __restrict__ dst,
-                                 float* __restrict__ dst2, float scale) {
-  constexpr int P = Layout<K>::kNormPieces;
+DS_DEVICE void warp_load_vector(const T* __restrict__ src, float (&x)[Layout<K>::kNormPieces][4]) {
   const int wl = threadIdx.x % kWarp;
-  float x[P][4];
 #pragma unroll
-  for (int c = 0; c < P; ++c) {
+  for (int c = 0; c < Layout<K>::kNormPieces; ++c) {
     const int idx = (c * kWarp + wl) * 4;
     if (idx < K) {
       load_vec<T, 4>(src + idx, x[c]);
@@ -106,6 +104,15 @@ DS_DEVICE void warp_l2_normalize(const T* __restrict__ src, float* __restrict__ 
       for (int e = 0; e < 4; ++e) x[c][e] = 0.f;
     }
   }
+}
+
+// dst[0..K) = x * (rsqrt(sum(x^2) + eps) * scale) for the vector warp_load_vector loaded; also
+// to dst2 when not null (the verify stash).
+template <int K>
+DS_DEVICE void warp_l2_store(const float (&x)[Layout<K>::kNormPieces][4], float* __restrict__ dst,
+                             float* __restrict__ dst2, float scale) {
+  constexpr int P = Layout<K>::kNormPieces;
+  const int wl = threadIdx.x % kWarp;
   float acc = fmul(x[0][0], x[0][0]);
 #pragma unroll
   for (int c = 0; c < P; ++c)
@@ -150,24 +157,21 @@ DS_DEVICE float step(float (&s)[kPerLane], const float (&k)[kPerLane],
   return 0.f;
 }
 
-// Rows per thread for a launch over `heads` (request, value head[, layer]) triples of V rows:
-// 4 where that gives >= 2048 blocks, fewer for small batches (latency: more, smaller blocks
-// spread the state over all SMs). Measured on the H200 (benchmarks/RESULTS.md, Qwen3-Next
-// shapes): decode/verify best with 1 at B=1, 2 at B=8, 4 at B>=64; replay (all layers in one
-// launch) best with 4 from B=1. Never changes results. DS_GDN_ROWS=1|2|4 in the environment
-// forces a value (tuning runs).
+// Rows per thread for a launch over `heads` (request, value head[, layer]) triples of V rows.
+// Measured on the H200 (benchmarks/RESULTS.md, Qwen3-Next shapes, loads-first staging):
+// decode and verify are best with 1 at B=1 (more, smaller blocks spread the state over all
+// SMs) and with 2 from B=8 on; replay (all layers in one launch) with 2 from B=1. 4 rows per
+// thread needs ~166 registers (3 blocks per SM) and lost at every batch size. Never changes
+// results. DS_GDN_ROWS=1|2|4 in the environment forces a value (tuning runs).
 template <int K>
-inline int pick_rows(int64_t heads, int V) {
+inline int pick_rows(int64_t heads, int V, bool one_launch_per_layer = true) {
   if (const char* forced = std::getenv("DS_GDN_ROWS")) {
     const int r = std::atoi(forced);
     if (r == 1 || r == 2 || r == 4) return r;
   }
-  const auto blocks = [&](int rows) {
-    return ceil_div(V, int64_t(Layout<K>::kGroups) * rows) * heads;
-  };
-  if (blocks(4) >= 2048) return 4;
-  if (blocks(2) >= 512) return 2;
-  return 1;
+  if (!one_launch_per_layer) return 2;
+  const int64_t blocks2 = ceil_div(V, int64_t(Layout<K>::kGroups) * 2) * heads;
+  return blocks2 >= 512 ? 2 : 1;
 }
 
 }  // namespace gdn

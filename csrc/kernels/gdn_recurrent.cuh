@@ -36,46 +36,80 @@ struct RecurrentParams {
 
 // Stage rows c0 .. c0+rc-1 of request n for value head hv (key head h) into shared memory;
 // verify also writes the stash (k once per key head, g/beta once per value head, v per row).
+// Every global load of the chunk is issued before any of them is used: one memory round trip
+// per chunk instead of one per q/k vector and per v pass (verify with R = 4 spent most of its
+// time waiting on those in turn, with the memory pipe idle).
 template <typename T, int K, int BR, int CH, bool VERIFY>
 DS_DEVICE void stage_rows(const RecurrentParams& p, RowSmem<K, BR, CH, true>& sm, int n, int c0,
                           int rc, int h, int hv, int tile) {
+  constexpr int P = Layout<K>::kNormPieces;
+  constexpr int kVecs = (2 * CH + kWarps - 1) / kWarps;   // q/k vectors per warp (one warp each)
+  constexpr int kVals = (CH * BR + kThreads - 1) / kThreads;  // v values per thread
   const int tid = threadIdx.x;
   const int warp = tid / kWarp;
   const bool k_writer = VERIFY && tile == 0 && hv % (p.HV / p.H) == 0;
-  for (int vi = warp; vi < 2 * rc; vi += kWarps) {  // one warp per q or k vector
-    const bool is_k = vi >= rc;
-    const int r = is_k ? vi - rc : vi;
-    const int64_t off = is_k ? n * p.k_stride_n + (c0 + r) * p.k_stride_r + h * K
-                             : n * p.q_stride_n + (c0 + r) * p.q_stride_r + h * K;
-    float* stash = nullptr;
-    if (is_k && k_writer) stash = p.stash_k + ((int64_t(n) * p.R_max + c0 + r) * p.H + h) * K;
-    warp_l2_normalize<K, T>(static_cast<const T*>(is_k ? p.k : p.q) + off,
-                            is_k ? sm.k[r] : sm.q[r], stash, is_k ? 1.f : p.scale);
+
+  float x[kVecs][P][4];
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int vi = warp + i * kWarps;  // rows 0..rc-1: q, rc..2rc-1: k
+    if (vi < 2 * rc) {
+      const bool is_k = vi >= rc;
+      const int r = is_k ? vi - rc : vi;
+      const int64_t off = is_k ? n * p.k_stride_n + (c0 + r) * p.k_stride_r + h * K
+                               : n * p.q_stride_n + (c0 + r) * p.q_stride_r + h * K;
+      warp_load_vector<K, T>(static_cast<const T*>(is_k ? p.k : p.q) + off, x[i]);
+    }
   }
-  if (tid >= kThreads - rc) {  // gates: the last rc threads, one row each
-    const int r = tid - (kThreads - rc);
-    const T* ap = static_cast<const T*>(p.a) + n * p.a_stride_n + (c0 + r) * p.a_stride_r;
-    const T* bp = static_cast<const T*>(p.b) + n * p.b_stride_n + (c0 + r) * p.b_stride_r;
-    const float g = gate_g(to_float(ap[hv]), p.A_log[hv], p.dt_bias[hv]);
-    const float beta = gate_beta(to_float(bp[hv]));
-    sm.decay[r] = gate_decay(g);
-    sm.beta[r] = beta;
+  float v[kVals];
+#pragma unroll
+  for (int i = 0; i < kVals; ++i) {
+    const int e = tid + i * kThreads, r = e / BR, row = tile * BR + e % BR;
+    v[i] = 0.f;
+    if (e < rc * BR && row < p.V) {
+      const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + (c0 + r) * p.v_stride_r;
+      v[i] = to_float(vp[int64_t(hv) * p.V + row]);
+    }
+  }
+  const int gr = tid - (kThreads - rc);  // gates: the last rc threads, one row each
+  float ga = 0.f, gb = 0.f, a_log = 0.f, dt_bias = 0.f;
+  if (gr >= 0) {
+    a_log = p.A_log[hv];
+    dt_bias = p.dt_bias[hv];
+    ga = to_float(static_cast<const T*>(p.a)[n * p.a_stride_n + (c0 + gr) * p.a_stride_r + hv]);
+    gb = to_float(static_cast<const T*>(p.b)[n * p.b_stride_n + (c0 + gr) * p.b_stride_r + hv]);
+  }
+
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int vi = warp + i * kWarps;
+    if (vi < 2 * rc) {
+      const bool is_k = vi >= rc;
+      const int r = is_k ? vi - rc : vi;
+      float* stash = nullptr;
+      if (is_k && k_writer) stash = p.stash_k + ((int64_t(n) * p.R_max + c0 + r) * p.H + h) * K;
+      warp_l2_store<K>(x[i], is_k ? sm.k[r] : sm.q[r], stash, is_k ? 1.f : p.scale);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kVals; ++i) {
+    const int e = tid + i * kThreads, r = e / BR, j = e % BR, row = tile * BR + j;
+    if (e < rc * BR) {
+      sm.v[r][j] = v[i];
+      if (VERIFY && row < p.V)
+        p.stash_v[((int64_t(n) * p.R_max + c0 + r) * p.HV + hv) * p.V + row] = v[i];
+    }
+  }
+  if (gr >= 0) {
+    const float g = gate_g(ga, a_log, dt_bias);
+    const float beta = gate_beta(gb);
+    sm.decay[gr] = gate_decay(g);
+    sm.beta[gr] = beta;
     if (VERIFY && tile == 0) {
-      const int64_t sr = int64_t(n) * p.R_max + c0 + r;
+      const int64_t sr = int64_t(n) * p.R_max + c0 + gr;
       p.stash_g[sr * p.HV + hv] = g;
       p.stash_beta[sr * p.HV + hv] = beta;
     }
-  }
-  for (int i = tid; i < rc * BR; i += kThreads) {  // v of the block's rows
-    const int r = i / BR, j = i % BR;
-    const int row = tile * BR + j;
-    float v = 0.f;
-    if (row < p.V) {
-      const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + (c0 + r) * p.v_stride_r;
-      v = to_float(vp[int64_t(hv) * p.V + row]);
-      if (VERIFY) p.stash_v[((int64_t(n) * p.R_max + c0 + r) * p.HV + hv) * p.V + row] = v;
-    }
-    sm.v[r][j] = v;
   }
 }
 
@@ -148,6 +182,7 @@ inline ds_error_t launch_recurrent(const RecurrentParams& p, ds_stream_t stream)
 template <typename T, bool VERIFY>
 inline ds_error_t launch_recurrent_any_k(const RecurrentParams& p, int K, ds_stream_t stream) {
   switch (K) {
+    case 32: return launch_recurrent<T, 32, VERIFY>(p, stream);
     case 64: return launch_recurrent<T, 64, VERIFY>(p, stream);
     case 128: return launch_recurrent<T, 128, VERIFY>(p, stream);
     case 256: return launch_recurrent<T, 256, VERIFY>(p, stream);

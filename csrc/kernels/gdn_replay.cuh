@@ -57,21 +57,43 @@ __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) 
   for (int c0 = 0; c0 < rows; c0 += kChunk) {
     const int rc = rows - c0 < kChunk ? rows - c0 : kChunk;
     if (c0 > 0) __syncthreads();
-    for (int i = tid; i < rc * (K / 4); i += kThreads) {  // k rows, float4 pieces
-      const int r = i / (K / 4), j = (i % (K / 4)) * 4;
-      *reinterpret_cast<float4*>(&sm.k[r][j]) = *reinterpret_cast<const float4*>(
-          p.stash_k + ((first + c0 + r) * p.H + h) * K + j);
+    // Every stash load of the chunk first (one memory round trip), then the shared stores.
+    constexpr int kKs = (kChunk * (K / 4) + kThreads - 1) / kThreads;  // float4 pieces of k
+    constexpr int kVs = (kChunk * BR + kThreads - 1) / kThreads;       // v values
+    float4 kp[kKs];
+    float vv[kVs];
+#pragma unroll
+    for (int u = 0; u < kKs; ++u) {
+      const int i = tid + u * kThreads, r = i / (K / 4), j = (i % (K / 4)) * 4;
+      if (i < rc * (K / 4))
+        kp[u] = *reinterpret_cast<const float4*>(p.stash_k + ((first + c0 + r) * p.H + h) * K + j);
     }
-    for (int i = tid; i < rc * BR; i += kThreads) {
-      const int r = i / BR, j = i % BR;
-      const int rw = tile * BR + j;
-      sm.v[r][j] = rw < p.V ? p.stash_v[((first + c0 + r) * p.HV + hv) * p.V + rw] : 0.f;
+#pragma unroll
+    for (int u = 0; u < kVs; ++u) {
+      const int i = tid + u * kThreads, r = i / BR, rw = tile * BR + i % BR;
+      vv[u] = i < rc * BR && rw < p.V ? p.stash_v[((first + c0 + r) * p.HV + hv) * p.V + rw]
+                                      : 0.f;
     }
-    if (tid >= kThreads - rc) {
-      const int r = tid - (kThreads - rc);
-      const int64_t sr = first + c0 + r;
-      sm.decay[r] = gate_decay(p.stash_g[sr * p.HV + hv]);
-      sm.beta[r] = p.stash_beta[sr * p.HV + hv];
+    const int gr = tid - (kThreads - rc);  // gates: the last rc threads, one row each
+    float g = 0.f, beta = 0.f;
+    if (gr >= 0) {
+      g = p.stash_g[(first + c0 + gr) * p.HV + hv];
+      beta = p.stash_beta[(first + c0 + gr) * p.HV + hv];
+    }
+#pragma unroll
+    for (int u = 0; u < kKs; ++u) {
+      const int i = tid + u * kThreads;
+      if (i < rc * (K / 4))
+        *reinterpret_cast<float4*>(&sm.k[i / (K / 4)][(i % (K / 4)) * 4]) = kp[u];
+    }
+#pragma unroll
+    for (int u = 0; u < kVs; ++u) {
+      const int i = tid + u * kThreads;
+      if (i < rc * BR) sm.v[i / BR][i % BR] = vv[u];
+    }
+    if (gr >= 0) {
+      sm.decay[gr] = gate_decay(g);
+      sm.beta[gr] = beta;
     }
     __syncthreads();
     for (int r = 0; r < rc; ++r) {
@@ -92,7 +114,7 @@ template <int K>
 inline ds_error_t launch_replay(const ReplayParams& p, ds_stream_t stream) {
   const int64_t heads = int64_t(p.HV) * p.N * p.L;
   const auto blocks = [&](int rows) { return ceil_div(p.V, Layout<K>::kGroups * rows) * heads; };
-  switch (pick_rows<K>(heads, p.V)) {
+  switch (pick_rows<K>(heads, p.V, /*one_launch_per_layer=*/false)) {
     case 4: return launch(replay_kernel<K, 4>, blocks(4), kThreads, stream, p);
     case 2: return launch(replay_kernel<K, 2>, blocks(2), kThreads, stream, p);
     default: return launch(replay_kernel<K, 1>, blocks(1), kThreads, stream, p);
@@ -101,6 +123,7 @@ inline ds_error_t launch_replay(const ReplayParams& p, ds_stream_t stream) {
 
 inline ds_error_t launch_gdn_replay(const ReplayParams& p, int K, ds_stream_t stream) {
   switch (K) {
+    case 32: return launch_replay<32>(p, stream);
     case 64: return launch_replay<64>(p, stream);
     case 128: return launch_replay<128>(p, stream);
     case 256: return launch_replay<256>(p, stream);

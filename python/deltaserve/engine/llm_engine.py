@@ -24,6 +24,7 @@ from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.sampling import SamplingRow, sample_rows
 from deltaserve.engine.spec_protocol import load_spec_runtime
+from deltaserve.ops._ext import KERNEL_HEAD_DIMS
 from deltaserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("deltaserve.engine")
@@ -98,6 +99,10 @@ class LLMEngine:
         self.model = load_model(path, self.dtype, self.device)
         self.tokenizer = load_tokenizer(path)
         mc = self.model.config
+        if self.device.type == "cuda" and mc.linear_key_head_dim not in KERNEL_HEAD_DIMS:
+            logger.warning("GDN head_k_dim %d has no compiled kernel (compiled: %s): decode and "
+                           "verify run the torch reference, far slower", mc.linear_key_head_dim,
+                           KERNEL_HEAD_DIMS)
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -23,7 +23,7 @@ def use_extension(*tensors: torch.Tensor) -> bool:
 
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-KERNEL_HEAD_DIMS = (64, 128, 256)  # head_k_dim values the GDN kernels are compiled for
+KERNEL_HEAD_DIMS = (32, 64, 128, 256)  # head_k_dim values the GDN kernels are compiled for
 KERNEL_CONV_WIDTH = 4
 
 
