@@ -1,4 +1,7 @@
 // Shared checks for the torch bindings (host only).
+// Messages pass only string arguments: on the device build a TORCH_CHECK that formatted an
+// int64_t inside an nvcc-compiled file crashed the process (SIGSEGV) instead of raising, while
+// const char* arguments raise normally (probed 2026-11-29; cause not found).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -33,12 +36,12 @@ inline void check_rows(const at::Tensor& t, int inner, int64_t align, const char
   int64_t expect = 1;
   for (int d = t.dim() - 1; d >= t.dim() - inner; --d) {
     TORCH_CHECK(t.size(d) == 1 || t.stride(d) == expect, "deltaserve: ", name,
-                " must be dense in its last ", inner, " dims");
+                " must be dense in its innermost dims");
     expect *= t.size(d);
   }
   for (int d = 0; d < t.dim() - inner; ++d)
     TORCH_CHECK(t.stride(d) % align == 0, "deltaserve: ", name,
-                " row stride must be a multiple of ", align, " elements");
+                " row stride must be a multiple of the vector width (16 bytes)");
   TORCH_CHECK(align == 1 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "deltaserve: ",
               name, " must be 16-byte aligned");
 }
@@ -65,6 +68,7 @@ inline ds_stream_t stream_of(const at::Tensor& t) {
       case at::kBFloat16: { using scalar_t = ds::bf16; return __VA_ARGS__(); }         \
       case at::kHalf: { using scalar_t = ds::f16; return __VA_ARGS__(); }              \
       case at::kFloat: { using scalar_t = float; return __VA_ARGS__(); }               \
-      default: TORCH_CHECK(false, "deltaserve: ", name, ": unsupported dtype ", dtype); \
+      default: TORCH_CHECK(false, "deltaserve: ", name, ": unsupported dtype ",         \
+                           c10::toString(dtype));                                      \
     }                                                                                  \
   }()

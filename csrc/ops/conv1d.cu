@@ -32,7 +32,8 @@ ds::conv::ConvParams conv_params(const at::Tensor& x, const at::Tensor& weight,
   check_dense(conv_state, "conv_state");
   check_dense(slots, "slots");
   const int64_t vec = 16 / x.element_size();
-  TORCH_CHECK(D % vec == 0, "deltaserve: conv_dim must be a multiple of ", vec);
+  TORCH_CHECK(D % vec == 0, "deltaserve: conv_dim must be a multiple of the vector width "
+              "(8 elements for 16-bit dtypes, 4 for fp32)");
   check_rows(x, 1, vec, "x");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(conv_state.data_ptr()) % 16 == 0,
@@ -139,7 +140,8 @@ void conv_commit(const at::Tensor& x, const at::Tensor& conv_state, const at::Te
   check_dense(slots, "slots");
   check_dense(accepted, "accepted");
   const int64_t vec = 16 / x.element_size();
-  TORCH_CHECK(x.size(2) % vec == 0, "deltaserve: conv_dim must be a multiple of ", vec);
+  TORCH_CHECK(x.size(2) % vec == 0, "deltaserve: conv_dim must be a multiple of the vector width "
+              "(8 elements for 16-bit dtypes, 4 for fp32)");
   check_rows(x, 1, vec, "x");
   ds::conv::ConvParams p{};
   p.x = x.data_ptr(); p.conv_state = conv_state.data_ptr();

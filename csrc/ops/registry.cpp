@@ -1,6 +1,6 @@
 // The `deltaserve` op library: schemas, Meta (fake) implementations, and the Python module
 // entry point of deltaserve._C. CUDA implementations register from gdn.cu, conv1d.cu and
-// snapshot.cpp. Only this file may say TORCH_LIBRARY(deltaserve): a second one aborts Python.
+// snapshot.cu. Only this file may say TORCH_LIBRARY(deltaserve): a second one aborts Python.
 #include <ATen/ops/empty.h>
 #include <Python.h>
 #include <torch/library.h>

@@ -103,9 +103,9 @@ def test_device_copy_within_one_pool_moves_disjoint_slots():
 
 # All pairs of a call run at once, so these would race; each is refused before anything runs.
 @pytest.mark.parametrize(("same_pool", "src_slots", "dst_slots", "message"), [
-    (True, [3, 5], [4, 5], "both reads and writes slot 5"),  # a slot onto itself
-    (True, [3, 4], [4, 6], "both reads and writes slot 4"),  # 3 -> 4 while 4 -> 6
-    (False, [1, 2], [6, 6], "writes slot 6 twice"),
+    (True, [3, 5], [4, 5], "both reads and writes a slot"),  # a slot onto itself
+    (True, [3, 4], [4, 6], "both reads and writes a slot"),  # 3 -> 4 while 4 -> 6
+    (False, [1, 2], [6, 6], "writes a destination slot twice"),
 ])
 def test_device_copy_that_would_race_raises_and_copies_nothing(same_pool, src_slots, dst_slots,
                                                                 message):

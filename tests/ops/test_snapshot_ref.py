@@ -30,3 +30,17 @@ def test_mismatched_pools_or_slot_counts_raise():
         snapshot_copy(src, [1, 2], dst, [1])
     with pytest.raises(ValueError, match="pools differ"):
         snapshot_copy(src, [1], (dst[0].double(), dst[1]), [1])
+
+
+@pytest.mark.parametrize("same_pool,src_slots,dst_slots,message", [
+    (False, [1, 2], [3, 3], "listed twice"),
+    (True, [1, 2], [2, 4], "both read and written"),  # 1 -> 2 while 2 -> 4: order decides
+])
+def test_copies_whose_result_would_depend_on_order_raise_and_copy_nothing(
+        same_pool, src_slots, dst_slots, message):
+    src = _pools(5, 0)
+    dst = src if same_pool else _pools(5, 1)
+    before = tuple(t.clone() for t in dst)
+    with pytest.raises(ValueError, match=message):
+        snapshot_copy(src, src_slots, dst, dst_slots)
+    assert all(torch.equal(a, b) for a, b in zip(dst, before, strict=True))

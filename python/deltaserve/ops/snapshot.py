@@ -30,7 +30,10 @@ def snapshot_copy(src: Pools, src_slots: torch.Tensor | Sequence[int], dst: Pool
     With a CUDA side the copy is enqueued on `stream` (default: the current stream) and the
     call returns without waiting; record an event on that stream to know when it is done, and
     keep the host buffers alive and untouched until then. CPU-only pools copy synchronously.
-    Raises ValueError on mismatched shapes/dtypes, device slot tensors or unequal M.
+    Device->device copies run as one copy kernel per 64 slots in no fixed order, so a
+    destination slot listed twice, or (within one pool) a slot both read and written, is
+    refused on every path. Raises ValueError on mismatched shapes/dtypes, device slot tensors,
+    unequal M or such overlap.
     """
     s_list, d_list = _slot_list(src_slots), _slot_list(dst_slots)
     if len(s_list) != len(d_list):
@@ -41,6 +44,10 @@ def snapshot_copy(src: Pools, src_slots: torch.Tensor | Sequence[int], dst: Pool
                              f"{b.dtype} {tuple(b.shape)}")
     if not s_list:
         return
+    if len(set(d_list)) != len(d_list):
+        raise ValueError("snapshot_copy: a destination slot is listed twice")
+    if src[0].data_ptr() == dst[0].data_ptr() and set(s_list) & set(d_list):
+        raise ValueError("snapshot_copy: within one pool a slot is both read and written")
     on_cuda = any(t.is_cuda for t in (*src, *dst))
     if not on_cuda:
         for a, b in zip(src, dst, strict=True):
@@ -49,7 +56,7 @@ def snapshot_copy(src: Pools, src_slots: torch.Tensor | Sequence[int], dst: Pool
     stream = stream if stream is not None else torch.cuda.current_stream()
     with torch.cuda.stream(stream):
         for a, b in zip(src, dst, strict=True):
-            if extension_loaded():  # one 2-D async memcpy per slot (all layers at once)
+            if extension_loaded():  # d2d: a copy kernel; with the host: a 2-D memcpy per slot
                 torch.ops.deltaserve.snapshot_copy(a, b, s_list, d_list)
                 continue
             for s, d in zip(s_list, d_list, strict=True):
