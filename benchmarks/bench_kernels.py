@@ -8,12 +8,14 @@ the same run: fla-core `fused_recurrent_gated_delta_rule` (decode, T=1, and T=R 
 fla-core `causal_conv1d_update`. Prints a table and writes JSON (--out).
 
     python benchmarks/bench_kernels.py --out results.json [--batches 1,8,64] [--rows 4]
+    python benchmarks/bench_kernels.py --gdn-rows 1,2,4   # also each forced rows-per-thread
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -175,12 +177,29 @@ def bench_snapshot(n_slots: int, layers: int = 48) -> dict:
             "d2h_GBps": n_slots * per_slot / d2h / 1e6, "h2d_GBps": n_slots * per_slot / h2d / 1e6}
 
 
+def forced_rows(n: int, rows: int, choices: str) -> dict:
+    """bench_gdn with DS_GDN_ROWS forced to each of `choices` (read at graph capture)."""
+    res = {}
+    for r in [int(x) for x in choices.split(",") if x]:
+        os.environ["DS_GDN_ROWS"] = str(r)
+        try:
+            t = bench_gdn(n, rows)
+        finally:
+            del os.environ["DS_GDN_ROWS"]
+        res[r] = {op: t[op] for op in ("gdn_decode", "gdn_verify", "gdn_replay")}
+        print(f"  rows/thread {r}: " + ", ".join(f"{op} {us:.2f}" for op, us in res[r].items()))
+        torch.cuda.empty_cache()
+    return res
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8,32,64,128,256,512")
     parser.add_argument("--rows", type=int, default=4, help="verify rows (k + 1)")
     parser.add_argument("--fla-max-batch", type=int, default=96,
                         help="fla-core fused_recurrent crashes at B >= 128 (TARGETS.md)")
+    parser.add_argument("--gdn-rows", default="",
+                        help="also time the GDN ops with DS_GDN_ROWS forced to each of these")
     parser.add_argument("--out", default="bench_kernels.json")
     args = parser.parse_args()
     assert extension_loaded(), "build deltaserve._C first (pip install -e .)"
@@ -217,6 +236,7 @@ def main() -> None:
         row["verify_plus_replay_over_decode"] = (row["gdn_verify"] + row["gdn_replay"]) / \
             row["gdn_decode"]
         print(f"  verify+replay / decode = {row['verify_plus_replay_over_decode']:.2f}")
+        row["forced_rows"] = forced_rows(n, args.rows, args.gdn_rows)
         results["batches"][n] = row
         torch.cuda.empty_cache()  # the pools of this batch size are unreachable now
         with open(args.out, "w") as f:

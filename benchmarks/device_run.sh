@@ -39,8 +39,8 @@ if has prefix; then
     > "$OUT/prefix.log" 2>&1
   tail -30 "$OUT/prefix.log"
 fi
-has rest && run_tests gpu_rest.log 100 tests/ops tests/model
+has rest && run_tests gpu_rest.log ${REST_TIMEOUT:-180} tests/ops tests/model
 if [ "${KERNELS:-0}" = 1 ]; then
-  timeout 200 python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json" > "$OUT/bench_kernels.log" 2>&1
+  timeout ${KERNELS_TIMEOUT:-300} python3 benchmarks/bench_kernels.py ${KERNEL_ARGS:-} --out "$OUT/bench_kernels.json" > "$OUT/bench_kernels.log" 2>&1
   tail -25 "$OUT/bench_kernels.log"
 fi
