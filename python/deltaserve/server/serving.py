@@ -154,31 +154,39 @@ class OpenAIServing:
     # -- endpoints ---------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request):
+        return await self._serve(body, request, "completions", "cmpl", self.completion_prompt,
+                                 "prompt", 16, self._completion_chunks,
+                                 self._completion_response)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        return await self._serve(body, request, "chat", "chatcmpl", self.chat_prompt,
+                                 "messages", None, self._chat_chunks, self._chat_response)
+
+    async def _serve(self, body: _GenerationRequest, request: Request, endpoint: str,
+                     id_prefix: str, prompt, prompt_param: str, default_max_tokens: int | None,
+                     chunks, respond):
+        """Check, tokenize, start; then an SSE stream of `chunks(rid, out, first)`, or the
+        collected text turned into a response by `respond(rid, text, last)`. Raises
+        InvalidRequest (400/404) before anything runs, ClientGone when the client leaves."""
         body.check_supported()
         self._check_model(body)
-        rid = new_id("cmpl")
+        rid = new_id(id_prefix)
         # tokenizing a long prompt must not stall the event loop (other clients, /health)
-        ids = await asyncio.to_thread(self.completion_prompt, body)
-        stream = await self._start(rid, body, ids, "prompt", 16)
+        ids = await asyncio.to_thread(prompt, body)
+        stream = await self._start(rid, body, ids, prompt_param, default_max_tokens)
         if body.stream:
-            return self._streaming(rid, "completions", body, stream, self._completion_chunks)
-        text, last = await self._collect(rid, "completions", stream, request)
-        self._finished(rid, "completions", last)
+            return self._streaming(rid, endpoint, body, stream, chunks)
+        text, last = await self._collect(rid, endpoint, stream, request)
+        self._finished(rid, endpoint, last)
+        return respond(rid, text, last)
+
+    def _completion_response(self, rid: str, text: str, last: RequestOutput) -> CompletionResponse:
         return CompletionResponse(
             id=rid, model=self.engine.model_name,
             choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
             usage=_usage(last))
 
-    async def chat(self, body: ChatCompletionRequest, request: Request):
-        body.check_supported()
-        self._check_model(body)
-        rid = new_id("chatcmpl")
-        ids = await asyncio.to_thread(self.chat_prompt, body)
-        stream = await self._start(rid, body, ids, "messages", None)
-        if body.stream:
-            return self._streaming(rid, "chat", body, stream, self._chat_chunks)
-        text, last = await self._collect(rid, "chat", stream, request)
-        self._finished(rid, "chat", last)
+    def _chat_response(self, rid: str, text: str, last: RequestOutput) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=rid, model=self.engine.model_name,
             choices=[ChatChoice(message=AssistantMessage(content=text),
@@ -257,7 +265,6 @@ class OpenAIServing:
         logger.info("%s %s: %d prompt tokens (%d cached), %d completion tokens, finish %s",
                     endpoint, rid, out.prompt_tokens, out.cached_tokens, out.completion_tokens,
                     out.finish_reason)
-
 
     def _aborted(self, rid: str, endpoint: str) -> None:
         self.metrics.requests.labels(endpoint=endpoint, finish_reason="abort").inc()
