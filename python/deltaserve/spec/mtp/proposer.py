@@ -89,16 +89,21 @@ class MTPProposer(Proposer):
             hidden.append(h)
             tokens.append(tok)
             live.append(i)
+        if not live or self.num_steps == 1:
+            return drafts
+        # Drafts 2..k stay on the device between steps (one host sync for all of them, so
+        # the launches of step i+1 are enqueued while step i runs).
+        sub = [reqs[i] for i in live]
+        h = torch.stack(hidden)
+        tok = torch.tensor(tokens, dtype=torch.long, device=h.device)
+        steps = []
         for step in range(1, self.num_steps):
-            if not live:
-                break
-            sub = [reqs[i] for i in live]
             starts = [r.device_len + step - 1 for r in sub]
-            out = self._run(sub, starts, [1] * len(sub), tokens, torch.stack(hidden))
-            nxt = torch.argmax(self.model.compute_logits(out), dim=-1).tolist()
-            for j, i in enumerate(live):
-                drafts[i].append(nxt[j])
-            hidden, tokens = list(out), nxt
+            h = self._run(sub, starts, [1] * len(sub), tok, h)
+            tok = torch.argmax(self.model.compute_logits(h), dim=-1)
+            steps.append(tok)
+        for j, row in enumerate(torch.stack(steps, dim=1).tolist()):
+            drafts[live[j]].extend(row)
         return drafts
 
     def _catch_up(self, reqs: list[Req]) -> None:
@@ -130,13 +135,16 @@ class MTPProposer(Proposer):
             st.mtp_len = start + n
             st.first, st.first_at = (last[j], first[j]), st.mtp_len
 
-    def _run(self, reqs: list[Req], starts: list[int], lens: list[int], ids: list[int],
-             hidden: torch.Tensor) -> torch.Tensor:
-        """One MTP forward: rows of request i at positions starts[i] .. starts[i]+lens[i]-1."""
+    def _run(self, reqs: list[Req], starts: list[int], lens: list[int],
+             ids: list[int] | torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """One MTP forward: rows of request i at positions starts[i] .. starts[i]+lens[i]-1;
+        ids: the token after each row (a list, or a long tensor already on the device)."""
         dev = self.device
         meta = AttentionMetadata.build([r.page_table for r in reqs], starts, lens,
                                        self.kv.page_size, dev)
         positions = [p for s, n in zip(starts, lens) for p in range(s, s + n)]
         ctx = ForwardContext(positions=torch.tensor(positions, dtype=torch.long, device=dev),
                              attn=PagedAttentionBackend(self.kv, meta), gdn=None)
-        return self.head(torch.tensor(ids, dtype=torch.long, device=dev), hidden, ctx)
+        if not isinstance(ids, torch.Tensor):
+            ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        return self.head(ids, hidden, ctx)
