@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_SPECULATIVE_STEPS = 3  # drafts per verify step when only the algorithm is given
+
 
 @dataclass
 class EngineConfig:
@@ -30,10 +32,19 @@ class EngineConfig:
     max_prompt_snapshots: int = 64  # GDN snapshots per prompt at prefill chunk ends; 0 = off
     decode_rows_per_req: int = 1  # k + 1 with speculative decoding
     speculative_algorithm: str | None = None  # mtp | ngram
-    speculative_num_steps: int = 0
+    speculative_num_steps: int = 0  # drafts per verify step; 0: DEFAULT_SPECULATIVE_STEPS
     radix_lookahead: bool | None = None  # lookahead radix keys; None: on exactly for mtp
     cuda_graphs: bool = True
     log_every: int = 0  # step log line every N steps; 0 = off
+
+    def resolve_speculation(self) -> None:
+        """Fill in what the speculation flags imply: k = DEFAULT_SPECULATIVE_STEPS when an
+        algorithm is set without a step count, and decode_rows_per_req = k + 1."""
+        if self.speculative_algorithm is None:
+            return
+        if self.speculative_num_steps == 0:
+            self.speculative_num_steps = DEFAULT_SPECULATIVE_STEPS
+        self.decode_rows_per_req = self.speculative_num_steps + 1
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -68,7 +79,8 @@ class EngineConfig:
             raise ValueError("dtype must be one of auto, bfloat16, float16, float32")
         if self.speculative_algorithm not in (None, "mtp", "ngram"):
             raise ValueError("speculative_algorithm must be one of mtp, ngram")
-        if self.speculative_algorithm is not None and not 1 <= self.speculative_num_steps <= 8:
-            raise ValueError("speculative_num_steps must be in 1..8 with a speculative algorithm")
+        if self.speculative_algorithm is not None and not 0 <= self.speculative_num_steps <= 8:
+            raise ValueError("speculative_num_steps must be in 1..8 (or 0: the default, "
+                             f"{DEFAULT_SPECULATIVE_STEPS}) with a speculative algorithm")
         if self.speculative_algorithm is None and self.speculative_num_steps:
             raise ValueError("speculative_num_steps needs --speculative-algorithm")

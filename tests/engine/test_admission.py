@@ -28,3 +28,22 @@ def test_a_request_is_admitted_when_its_locked_match_holds_every_snapshot_slot(t
         assert out.token_ids == ref.token_ids, n
         assert out.cached_tokens % 64 == 0 and out.cached_tokens < n
     assert_drained(llm.engine)
+
+
+def test_max_request_len_is_what_the_page_pool_can_hold_when_it_is_below_the_context(tmp_path):
+    # 20 pages of 16 tokens, page 0 reserved: 304 token positions; a verify step (k = 3)
+    # writes 3 positions past the request's length, so 301 with speculation.
+    path = str(make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0))
+    small = LLM(path, device="cpu", dtype="float32", page_size=16, num_pages=20,
+                max_model_len=512)
+    assert small.engine.max_request_len == 304
+    spec = LLM(path, device="cpu", dtype="float32", page_size=16, num_pages=20,
+               max_model_len=512, speculative_algorithm="ngram", speculative_num_steps=3)
+    assert spec.engine.max_request_len == 301
+    roomy = LLM(path, device="cpu", dtype="float32", page_size=16, num_pages=200,
+                max_model_len=512)
+    assert roomy.engine.max_request_len == 512
+    params = SamplingParams(temperature=0.0, max_tokens=304 - 10, ignore_eos=True)
+    (out,) = small.generate([list(range(3, 13))], params)  # exactly fills the pool
+    assert len(out.token_ids) == 294
+    assert_drained(small.engine)

@@ -44,6 +44,22 @@ def test_every_engine_flag_sets_its_config_field():
         speculative_num_steps=3, decode_rows_per_req=4, cuda_graphs=False, log_every=10, seed=5)
 
 
+@pytest.mark.parametrize("algo", ["ngram", "mtp"])
+def test_a_speculative_algorithm_alone_drafts_the_default_number_of_tokens(algo):
+    cfg = parse("--speculative-algorithm", algo)
+    assert cfg.speculative_num_steps == 3 and cfg.decode_rows_per_req == 4
+    with pytest.raises(ValueError, match="speculative_num_steps"):
+        parse("--speculative-algorithm", algo, "--speculative-num-steps", "9")
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_a_port_outside_0_to_65535_is_a_usage_error_before_the_model_loads(port, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--port", port])
+    assert e.value.code == 2
+    assert "--port" in capsys.readouterr().err
+
+
 def test_every_config_field_has_a_flag():
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
@@ -72,6 +88,12 @@ def test_generate_prints_a_completion(tiny_model, capsys):
                  "cpu", "--max-tokens", "4", "--ignore-eos", "Hello there"])
     assert code == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_a_context_longer_than_the_model_was_built_for_is_refused(tiny_model):
+    with pytest.raises(SystemExit, match="deltaserve: error: max_model_len 10000000 exceeds"):
+        main(["generate", "--model", str(tiny_model), "--device", "cpu", "--max-model-len",
+              "10000000", "hi"])
 
 
 def test_generate_with_chat_prints_one_answer_per_prompt(tiny_model, capsys):

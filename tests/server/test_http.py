@@ -157,6 +157,19 @@ def test_a_prompt_over_the_context_limit_is_a_400_naming_the_field(client):
     assert_openai_error(client.post("/v1/completions", json=budget), 400, "max_tokens")
 
 
+def test_text_with_a_lone_surrogate_is_a_400_and_the_server_keeps_serving(client):
+    chat = b'{"messages": [{"role": "user", "content": "a\\ud800"}]}'
+    for path, body in [
+            ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}'),
+            ("/v1/completions", b'{"prompt": "a\\udfff", "max_tokens": 2, "stream": true}'),
+            ("/v1/chat/completions", chat)]:
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+        param = "messages" if "chat" in path else "prompt"
+        assert "surrogate" in assert_openai_error(r, 400, param)["message"]
+    ok = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **GREEDY})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
 def test_token_ids_outside_the_vocabulary_are_a_400(client):
     r = client.post("/v1/completions", json={"prompt": [1, 10**9], "max_tokens": 2})
     assert "token ids" in assert_openai_error(r, 400, "prompt")["message"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from pydantic import ValidationError
 
@@ -11,6 +13,7 @@ from deltaserve.server.protocol import (
     InvalidRequest,
     Usage,
 )
+from deltaserve.server.serving import OpenAIServing
 
 
 def chat(**fields) -> ChatCompletionRequest:
@@ -61,6 +64,8 @@ def test_a_bad_sampling_field_is_named_as_the_param(fields, param):
     (chat(logprobs=True), "logprobs"),
     (chat(tools=[{"type": "function"}]), "tools"),
     (ChatCompletionRequest(messages=[]), "messages"),
+    (CompletionRequest(prompt="x", logit_bias={"5": 100}), "logit_bias"),
+    (chat(logit_bias={"5": -100}), "logit_bias"),
 ])
 def test_unsupported_fields_are_refused_not_ignored(body, param):
     with pytest.raises(InvalidRequest) as e:
@@ -94,3 +99,17 @@ def test_switches_take_json_booleans_only(field, value):
     with pytest.raises(ValidationError, match=field):
         CompletionRequest.model_validate({"prompt": "x", field: value})
     assert getattr(CompletionRequest.model_validate({"prompt": "x", field: True}), field) is True
+
+
+def test_an_unset_max_tokens_is_capped_by_the_kv_pool_as_well_as_the_context():
+    # a pool smaller than the context: a default of "the rest of the context" would reserve
+    # more pages than exist and be refused although the user asked for nothing
+    serving = OpenAIServing(SimpleNamespace(max_model_len=512, max_request_len=300), None)
+    chat_body = chat()
+    assert serving.sampling_params(chat_body, [1] * 20, "messages", None).max_tokens == 280
+    completion = CompletionRequest(prompt="x")
+    assert serving.sampling_params(completion, [1] * 20, "prompt", 16).max_tokens == 16
+    roomy = OpenAIServing(SimpleNamespace(max_model_len=512, max_request_len=512), None)
+    assert roomy.sampling_params(chat_body, [1] * 20, "messages", None).max_tokens == 492
+    explicit = chat(max_tokens=400)  # explicit: kept; the engine names the pool if too big
+    assert serving.sampling_params(explicit, [1] * 20, "messages", None).max_tokens == 400

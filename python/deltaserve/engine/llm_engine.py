@@ -80,8 +80,7 @@ class LLMEngine:
         from deltaserve.model.loader import load_model
 
         cfg.validate()
-        if cfg.speculative_algorithm is not None:
-            cfg.decode_rows_per_req = cfg.speculative_num_steps + 1
+        cfg.resolve_speculation()
         if cfg.radix_lookahead is None:
             # the MTP head's draft KV at position i depends on t_{i+1}
             cfg.radix_lookahead = cfg.speculative_algorithm == "mtp"
@@ -103,6 +102,9 @@ class LLMEngine:
             logger.warning("GDN head_k_dim %d has no compiled kernel (compiled: %s): decode and "
                            "verify run the torch reference, far slower", mc.linear_key_head_dim,
                            KERNEL_HEAD_DIMS)
+        if cfg.max_model_len and cfg.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {mc.max_position_embeddings}")
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -201,6 +203,12 @@ class LLMEngine:
         req = self.scheduler.abort(rid)
         self._reqs.pop(rid, None)
         return req is not None
+
+    @property
+    def max_request_len(self) -> int:
+        """Prompt + output tokens one request may reach: the context length, or less when the
+        KV page pool is smaller (a request reserves its pages at admission)."""
+        return min(self.max_model_len, self.scheduler.max_request_len())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -64,6 +64,10 @@ class Scheduler:
         """Pages covering every position `req` may write (max_len plus the verify rows)."""
         return self.pages_for(req.max_len + self.extra_rows)
 
+    def max_request_len(self) -> int:
+        """The longest request (prompt + output tokens) the page pool can ever hold."""
+        return (self.page_pool.num_pages - 1) * self.page_size - self.extra_rows
+
     def check_fits(self, req: Req) -> None:
         """Raise ValueError when `req` could never be admitted, even with an empty cache."""
         usable = self.page_pool.num_pages - 1

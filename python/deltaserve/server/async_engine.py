@@ -85,6 +85,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_name: str = model_name or engine.model_name
         self.max_model_len: int = engine.max_model_len
+        self.max_request_len: int = engine.max_request_len  # pool-bounded (fixed after start)
         self._cond = threading.Condition()
         # (command, future for its result or None): guarded by _cond
         self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future | None]] = []

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+import warnings
 from collections.abc import Sequence
 
 from deltaserve.config import EngineConfig
@@ -40,7 +41,8 @@ _HELP = {
     "max_prompt_snapshots": "GDN snapshots per prompt taken at prefill chunk ends, kept evenly "
                             "spread (0: only the prompt's last grid boundary)",
     "speculative_algorithm": "mtp or ngram",
-    "speculative_num_steps": "drafts per verify step",
+    "speculative_num_steps": "drafts per verify step, 1..8 (default: 3 with "
+                             "--speculative-algorithm)",
     "cuda_graphs": "run decode without CUDA graphs",
     "log_every": "log a step line every N steps (0: off)",
     "seed": "engine random seed",
@@ -58,6 +60,16 @@ def _value_type(annotation: str) -> type:
         if name in annotation.replace(" ", "").split("|"):
             return kind
     return str
+
+
+SHUTDOWN_GRACE_S = 5  # seconds
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -83,9 +95,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from parsed flags; `decode_rows_per_req` follows the speculation flags."""
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     cfg = EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
-    if cfg.speculative_algorithm is not None:
-        cfg.decode_rows_per_req = cfg.speculative_num_steps + 1
     cfg.validate()
+    cfg.resolve_speculation()
     return cfg
 
 
@@ -108,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    serve.add_argument("--port", type=_port, default=8000,
+                       help="TCP port, 0..65535 (0: any free port; default 8000)")
     serve.add_argument("--served-model-name", default=None,
                        help="model name in the API (default: the --model path)")
     add_engine_flags(serve)
@@ -174,13 +186,20 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         app = build_app(engine)
         logger.info("serving %s", engine.model_name)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+        # Ctrl-C: open streams get SHUTDOWN_GRACE_S to finish, then their connections are
+        # closed (each request is aborted, freeing its pages and slots) instead of the server
+        # waiting for every running generation to end.
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     finally:
         engine.shutdown()
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # fla-core (imported by transformers' Qwen3.5 code) warns on every run of a machine
+    # without Triton; deltaserve never runs fla there (CPU prefill is the torch reference).
+    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -76,6 +76,7 @@ class _GenerationRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     @property
@@ -87,6 +88,8 @@ class _GenerationRequest(BaseModel):
         if self.n not in (None, 1):
             raise InvalidRequest(f"n={self.n} is not supported: deltaserve returns exactly one "
                                  "choice per request (n must be 1)", "n")
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported by deltaserve", "logit_bias")
 
     def max_tokens_param(self) -> tuple[int | None, str]:
         """The requested output budget and the field name it came from."""

@@ -82,7 +82,17 @@ class OpenAIServing:
             return list(prompt)
         text = prompt if isinstance(prompt, str) else prompt[0]
         self._check_text_size(len(text), "prompt")
+        self._check_encodable(text, "prompt")
         return list(self._tokenizer("prompt").encode(text))
+
+    @staticmethod
+    def _check_encodable(text: str, param: str) -> None:
+        """JSON may carry lone UTF-16 surrogates ("\\ud800"), which no tokenizer accepts."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequest(f"the text is not valid Unicode: {e.reason} at character "
+                                 f"{e.start} (a lone UTF-16 surrogate?)", param) from e
 
     def _check_text_size(self, n_chars: int, param: str) -> None:
         """Refuse text that cannot fit the context whatever it tokenizes to (no token covers
@@ -102,6 +112,8 @@ class OpenAIServing:
         messages = body.template_messages()
         self._check_text_size(sum(len(str(m.get("content") or "")) for m in messages),
                               "messages")
+        for m in messages:
+            self._check_encodable(str(m.get("content") or ""), "messages")
         try:
             text = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True,
@@ -126,6 +138,9 @@ class OpenAIServing:
         room = limit - n_prompt
         max_tokens, param = body.max_tokens_param()
         if max_tokens is None:
+            # unset: up to what the context and the KV pool can hold (pages are reserved at
+            # admission, so a default larger than the pool would refuse the request)
+            room = min(room, max(1, self.engine.max_request_len - n_prompt))
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
         elif max_tokens > room:
             raise InvalidRequest(
