@@ -5,9 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  # torch 2.14.1 is a CUDA 13.0 build: it runs on the CPU too and can build the extension
-  .venv/bin/pip install -q "torch==2.14.1"
+if ! .venv/bin/python -c "import torch, numpy" 2>/dev/null; then
+  # torch 2.14.1 is a CUDA 13.0 build: it runs on the CPU too and can build the extension;
+  # numpy with it, or importing torch below prints "Failed to initialize NumPy"
+  .venv/bin/pip install -q "torch==2.14.1" numpy
 fi
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda
