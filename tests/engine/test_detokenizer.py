@@ -1,0 +1,96 @@
+"""The incremental detokenizer against its definition: decode all output ids after every token.
+
+The definition (`FullDecode`, the engine's detokenizer until it was made incremental) is
+O(n^2) in the output length; the engine's decodes short windows. On the shipped byte-level
+BPE tokenizer, for random token sequences (multi-byte characters split across tokens,
+special tokens, stop strings taken from the text), both must stop at the same token and
+hand out the same text.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltaserve.default_model import default_model_path
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.llm_engine import load_tokenizer
+
+
+class FullDecode:
+    """The definition: decode every output id after each token; stop at the first
+    occurrence of any stop string in the whole text."""
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        self.tokenizer, self.stop, self.ids = tokenizer, stop, []
+        self.text, self.stopped = "", False
+
+    def append(self, token: int) -> bool:
+        if self.stopped:
+            return True
+        self.ids.append(token)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            at = self.text.find(s)
+            if at != -1:
+                self.text, self.stopped = self.text[:at], True
+        return self.stopped
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(default_model_path())
+
+
+def run(det, ids: list[int]) -> tuple[int, str]:
+    """Tokens consumed until a stop (all when none), and all text handed out."""
+    out = []
+    for n, t in enumerate(ids, 1):
+        stopped = det.append(t)
+        if isinstance(det, IncrementalDetokenizer):
+            out.append(det.take_new_text(final=stopped or n == len(ids)))
+        if stopped:
+            return n, "".join(out) if out else det.text
+    return len(ids), "".join(out) if out else det.text
+
+
+# ids: byte tokens that split multi-byte characters (the first ~260 ids of a byte-level
+# vocabulary), ordinary tokens, and the special tokens at 0..2
+token_ids = st.lists(st.one_of(st.integers(0, 300), st.integers(0, 8191),
+                               st.sampled_from([0, 1, 2])), min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ids=token_ids, data=st.data())
+def test_incremental_text_and_stop_equal_a_full_decode_after_every_token(tokenizer, ids, data):
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    printable = text.replace("\ufffd", "")
+    stop = []
+    if printable and data.draw(st.booleans()):
+        i = data.draw(st.integers(0, len(printable) - 1))
+        stop = [printable[i:i + data.draw(st.integers(1, 4))]]
+    ref_n, ref_text = run(FullDecode(tokenizer, stop), ids)
+    n, got = run(IncrementalDetokenizer(tokenizer, stop), ids)
+    assert (n, got) == (ref_n, ref_text)
+
+
+def test_chinese_and_emoji_split_over_byte_tokens_come_out_whole(tokenizer):
+    ids = tokenizer.encode("naïve 你好 🙂 done", add_special_tokens=False)
+    det = IncrementalDetokenizer(tokenizer, [])
+    pieces = []
+    for i, t in enumerate(ids):
+        det.append(t)
+        pieces.append(det.take_new_text(final=i == len(ids) - 1))
+    assert "".join(pieces) == "naïve 你好 🙂 done"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_each_token_decodes_a_window_not_the_whole_output(tokenizer):
+    calls = []
+    det = IncrementalDetokenizer(tokenizer, [])
+    inner = det._decode
+    det._decode = lambda ids: calls.append(len(ids)) or inner(ids)
+    for t in tokenizer.encode("x = 1\n" * 200, add_special_tokens=False):
+        det.append(t)
+    assert max(calls) <= 16 and det.text == "x = 1\n" * 200
