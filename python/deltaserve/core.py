@@ -109,6 +109,7 @@ class Req:
     page_table: list[int] = field(default_factory=list)
     prefix_node: Any = None
     snapshots: dict[int, int] = field(default_factory=dict)
+    host_snapshots: dict[int, int] = field(default_factory=dict)  # depth -> host bank slot
     generator: torch.Generator | None = None
     detok: Any = None
     arrival_time: float = 0.0

@@ -32,7 +32,7 @@ def put(cache: PrefixCache, ids: list[int], depths: list[int]) -> dict[int, int]
     """Insert `ids` with fresh pages and a fresh (randomly filled) slot per snapshot depth."""
     pages = cache.page_pool.allocate(len(ids) // cache.page_size)
     snaps = {d: cache.state_pool.allocate() for d in depths}
-    assert cache.insert(ids, pages, snaps) == ([], [])
+    assert cache.insert(ids, pages, snaps) == ([], [], [])
     cache.check_integrity()
     return snaps
 

@@ -127,7 +127,7 @@ def test_inserting_the_trees_own_snapshot_slot_again_returns_nothing():
     ids = tokens(64, seed=12)
     pages, snaps, _ = put(cache, ids, [64])
     result = cache.insert(ids, pages, {64: snaps[64]})
-    assert result == ([], [])
+    assert result == ([], [], [])
 
 
 def test_snapshot_depths_off_the_grid_are_refused_before_anything_changes():

@@ -200,3 +200,33 @@ def test_the_step_log_line_reports_slots_in_use_on_device_and_in_the_host_bank(c
     assert "#slots 3/3 used on device" in lines[0] and "#host-slots 0/2 used" in lines[0]
     assert "#host-slots 2/2 used" in lines[-1]  # the first prompt's 64 and 128 moved out
     assert_drained(llm.engine)
+
+
+def test_chunk_snapshots_go_straight_to_the_host_bank_when_no_device_slot_can_be_had(ckpt):
+    # 1 running request, no snapshot slots: the pool is live + track slots only, so during
+    # the first prompt's prefill nothing on the device is free or evictable. Before, its chunk
+    # snapshots were skipped and a cut far back resumed from (almost) nothing; now they are
+    # stored from the live slot into the bank (chunk 64, page 16, grid 64).
+    llm = make(ckpt, max_running_reqs=1, num_snapshot_slots=0, host_snapshot_slots=8)
+    eng = llm.engine
+    first = tokens(600, seed=21)
+    (out,) = llm.generate([first], GREEDY)
+    status = eng.cache_status()
+    assert status["chunk_snapshots_to_host"] == 8 and status["chunk_snapshots_skipped"] == 0
+    assert status["host_slots_snapshot"] == 8 and status["host_slots_used"] == 8
+    cut = first[:420] + tokens(12, seed=22)
+    (resumed,) = llm.generate([cut], GREEDY)
+    assert resumed.cached_tokens == 384  # the deepest grid depth at or below the cut
+    assert resumed.token_ids == cold(ckpt, cut)
+    assert_drained(llm.engine)
+
+
+def test_host_chunk_snapshots_of_an_aborted_request_go_back_to_the_bank(ckpt):
+    llm = make(ckpt, max_running_reqs=1, num_snapshot_slots=0, host_snapshot_slots=8)
+    eng = llm.engine
+    rid = eng.add_request(tokens(600, seed=23), GREEDY)
+    while eng.prefix_cache.host_usage().n_used < 3:
+        eng.step()
+    assert eng.abort(rid)
+    assert eng.prefix_cache.host_usage().n_used == 0
+    assert_drained(eng)

@@ -47,6 +47,7 @@ class PrefixMatch(NamedTuple):
 class InsertResult(NamedTuple):
     freed_pages: list[int]  # caller pages the tree did not take (it had its own): free them
     unused_slots: list[int]  # caller slots the tree did not take (it had a snapshot there)
+    unused_host_slots: list[int] = []  # the same for host bank slots
 
 
 class EvictResult(NamedTuple):
@@ -139,7 +140,8 @@ class PrefixCache:
 
     # ---- insert -------------------------------------------------------------------------
     def insert(self, ids: Sequence[int], pages: Sequence[int],
-               snapshots: dict[int, int] | None = None) -> InsertResult:
+               snapshots: dict[int, int] | None = None,
+               host_snapshots: dict[int, int] | None = None) -> InsertResult:
         """Cache `ids` with KV `pages` and GDN `snapshots` {depth: slot}; touch the path.
 
         `len(keys)` is a page multiple, `pages[i]` holds positions [i*page_size, (i+1)*
@@ -147,12 +149,20 @@ class PrefixCache:
         The tree takes every page and slot it did not have; it returns the caller's page for
         a position it already caches only when the ids differ (leading pages that came from
         the tree via `match` are not returned), and the caller's slot for a depth that
-        already has a snapshot (on either tier: a host snapshot is not replaced). Slots are
-        device slots; host snapshots come only from eviction. Nodes may split; existing
-        nodes (and locks on them) stay valid.
+        already has a snapshot (on either tier: a host snapshot is not replaced). `snapshots`
+        holds device slots; `host_snapshots` {depth: host slot} bank slots (prefill snapshots
+        stored there when no device slot was free), taken on the same terms, at depths
+        `snapshots` does not name. Nodes may split; existing nodes (and locks on them) stay
+        valid.
         """
         keys, pages = self._keys(ids), list(pages)
-        snapshots = snapshots or {}
+        snapshots, host_snapshots = snapshots or {}, host_snapshots or {}
+        assert not set(snapshots) & set(host_snapshots), "two snapshots at one depth"
+        for depth, slot in host_snapshots.items():
+            assert 0 < depth <= len(keys) and depth % self.snapshot_step == 0, depth
+            assert self.host_bank is not None and self.host_bank.is_allocated(slot), (
+                f"host slot {slot} not allocated in a bank")
+            assert slot not in self.tree.host_slots, f"host slot {slot} already in the tree"
         for depth, slot in snapshots.items():
             assert 0 < depth <= len(keys) and depth % self.snapshot_step == 0, (
                 f"snapshot depth {depth} not on the {self.snapshot_step}-grid in "
@@ -164,14 +174,20 @@ class PrefixCache:
             assert slot not in self.tree.slots or held.get(depth) == slot, (
                 f"slot {slot} is already the tree's snapshot at another depth")
         _, freed = self.tree.insert(keys, pages, self.clock())
-        unused = []
+        unused, unused_host = [], []
         for depth in sorted(snapshots):
             slot, node = snapshots[depth], self.tree.node_at(keys, depth)
             if not node.has_snapshot:
                 self.tree.set_snapshot(node, slot)
             elif node.snapshot_slot != slot:
                 unused.append(slot)
-        return InsertResult(freed, unused)
+        for depth in sorted(host_snapshots):
+            slot, node = host_snapshots[depth], self.tree.node_at(keys, depth)
+            if node.has_snapshot:
+                unused_host.append(slot)
+            else:
+                self.tree.set_snapshot(node, slot, host=True)
+        return InsertResult(freed, unused, unused_host)
 
     # ---- eviction -----------------------------------------------------------------------
     def evictable_pages(self) -> int:

@@ -337,6 +337,7 @@ class LLMEngine:
             "host_bytes_used": host.bytes_used,
             "chunk_snapshots_taken": snaps.n_taken,
             "chunk_snapshots_skipped": snaps.n_skipped,
+            "chunk_snapshots_to_host": snaps.n_to_host,
             "running_requests": len(self.scheduler.running),
             "waiting_requests": len(self.scheduler.waiting),
             "hit_tokens": self.scheduler.hit_tokens,

@@ -292,13 +292,21 @@ class Scheduler:
                 snaps[req.device_len] = req.slot
             # with lookahead keys the last cached position pairs with the token after it
             n_ids = n_pages * self.page_size + (1 if self.cfg.radix_lookahead else 0)
-            result = self.cache.insert(req.tokens(0, n_ids), req.page_table[:n_pages], snaps)
+            host = {d: h for d, h in req.host_snapshots.items() if d not in snaps}
+            host_left = set(req.host_snapshots.values()) - set(host.values())
+            result = self.cache.insert(req.tokens(0, n_ids), req.page_table[:n_pages], snaps,
+                                       host)
             self.page_pool.free(list(result.freed_pages) + req.page_table[n_pages:])
             slots_left -= set(snaps.values()) - set(result.unused_slots)
+            host_left |= set(result.unused_host_slots)
         else:
             self.page_pool.free(req.page_table[owned_from:])
+            host_left = set(req.host_snapshots.values())
+        for slot in sorted(host_left):
+            self.cache.host_bank.free(slot)
         for slot in sorted(slots_left):
             self.state_pool.free(slot)
         if req.prefix_node is not None:
             self.cache.unlock(req.prefix_node)
         req.slot, req.page_table, req.prefix_node, req.snapshots = None, [], None, {}
+        req.host_snapshots = {}

@@ -12,9 +12,11 @@ to the prefix cache together when the request is released:
   chunk end on the grid: its end is rounded down to the deepest grid boundary inside it (a
   chunk shorter than G that holds no boundary keeps its length, so small chunks go on until
   one ends on the grid). The slot is taken at the chunk's end: a free one, else a snapshot the
-  prefix cache evicts (to its host bank when it has one); none to be had: that snapshot is
-  skipped. They are optional: admission of another request that is short of slots takes them
-  back (most-holding request, deepest first). Bounded per prompt: at most
+  prefix cache evicts (to its host bank when it has one); with no device slot to be had, a
+  free slot of the host bank, the state stored there straight from the live slot
+  (`req.host_snapshots`); none on either tier: that snapshot is skipped. Device ones are
+  optional: admission of another request that is short of slots takes them back
+  (most-holding request, deepest first). Bounded per prompt: at most
   `max_prompt_snapshots`, kept evenly spread by taking one only `interval(prompt_len)` tokens
   or more past the request's previous snapshot (or its cached prefix); the interval is G for
   prompts of up to max_prompt_snapshots·G tokens and grows with the prompt beyond that.
@@ -51,6 +53,7 @@ class PrefillSnapshots:
         self.chunk: dict[int, tuple[Req, list[int]]] = {}
         self.n_taken = 0  # chunk snapshots taken (counter, for metrics and tests)
         self.n_skipped = 0  # chunk ends on the grid that found no slot
+        self.n_to_host = 0  # of those taken, stored straight into the host bank
 
     @property
     def chunk_snapshots_on(self) -> bool:
@@ -140,11 +143,20 @@ class PrefillSnapshots:
             return
         if not self.chunk_snapshots_on or d >= req.prompt_len or d % self.grid:
             return
-        if d - max(req.snapshots, default=req.cached_len) < self.interval(req.prompt_len):
+        previous = max((*req.snapshots, *req.host_snapshots), default=req.cached_len)
+        if d - previous < self.interval(req.prompt_len):
             return
         slot = self._try_take_slot()
         if slot is None:
-            self.n_skipped += 1
+            bank = self.cache.host_bank
+            if bank is None or not bank.can_allocate(1):
+                self.n_skipped += 1
+                return
+            host = bank.allocate()
+            bank.store(self.state_pool, req.slot, host)  # ordered before the next chunk
+            req.host_snapshots[d] = host
+            self.n_taken += 1
+            self.n_to_host += 1
             return
         self.state_pool.copy(req.slot, slot)
         req.snapshots[d] = slot
@@ -152,9 +164,10 @@ class PrefillSnapshots:
         self.n_taken += 1
 
     def release(self, req: Req) -> set[int]:
-        """Forget `req`: returns every slot it holds besides its live slot (track slots,
-        taken or not, and chunk snapshots). `req.snapshots` still names the taken ones;
-        the caller gives them to the cache or frees them."""
+        """Forget `req`: returns every device slot it holds besides its live slot (track
+        slots, taken or not, and chunk snapshots). `req.snapshots` still names the taken ones
+        and `req.host_snapshots` the bank's; the caller gives them to the cache or frees
+        them."""
         held = set(self.tracks.pop(req.rid, {}).values())
         self.chunk.pop(req.rid, None)
         return held | set(req.snapshots.values())
