@@ -60,6 +60,23 @@ def test_a_port_outside_0_to_65535_is_a_usage_error_before_the_model_loads(port,
     assert "--port" in capsys.readouterr().err
 
 
+def test_serve_on_a_port_in_use_fails_before_loading_the_model_naming_it(capsys, monkeypatch):
+    import socket
+
+    import deltaserve.server.cli as cli
+
+    def load(args):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(cli, "_make_engine", load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--device", "cpu"]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
 def test_every_config_field_has_a_flag():
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)

@@ -166,6 +166,12 @@ def test_text_with_a_lone_surrogate_is_a_400_and_the_server_keeps_serving(client
         r = client.post(path, content=body, headers={"content-type": "application/json"})
         param = "messages" if "chat" in path else "prompt"
         assert "surrogate" in assert_openai_error(r, 400, param)["message"]
+    stop = b'{"prompt": "Hi", "max_tokens": 2, "stop": ["\\ud800"]}'
+    r = client.post("/v1/completions", content=stop, headers={"content-type": "application/json"})
+    assert "surrogate" in assert_openai_error(r, 400, "stop")["message"]
+    model = b'{"model": "\\ud800", "prompt": "Hi", "max_tokens": 2}'
+    r = client.post("/v1/completions", content=model, headers={"content-type": "application/json"})
+    assert "\\ud800" in assert_openai_error(r, 404, "model")["message"]
     ok = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **GREEDY})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 

@@ -38,6 +38,8 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none)$|[\[\-]")
 
 def error_response(status: int, message: str, type: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None) -> JSONResponse:
+    # a message may quote client text holding lone surrogates, which JSON cannot encode
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import socket
 import sys
 import warnings
 from collections.abc import Sequence
@@ -176,12 +177,26 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_listen(host: str, port: int) -> None:
+    """Raise ValueError when `host`:`port` cannot be bound now (address in use, no such
+    address). The socket is closed at once: the server binds it again after loading."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e}") from e
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from deltaserve.server.api import build_app
     from deltaserve.server.async_engine import AsyncEngine
 
+    _check_listen(args.host, args.port)  # before minutes of model loading, not after
     engine = AsyncEngine(_make_engine(args), model_name=args.served_model_name)
     try:
         app = build_app(engine)

@@ -185,6 +185,9 @@ class OpenAIServing:
         InvalidRequest (400/404) before anything runs, ClientGone when the client leaves."""
         body.check_supported()
         self._check_model(body)
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        for stop in stops:
+            self._check_encodable(stop, "stop")
         rid = new_id(id_prefix)
         # tokenizing a long prompt must not stall the event loop (other clients, /health)
         ids = await asyncio.to_thread(prompt, body)
