@@ -292,13 +292,12 @@ class Scheduler:
                 snaps[req.device_len] = req.slot
             # with lookahead keys the last cached position pairs with the token after it
             n_ids = n_pages * self.page_size + (1 if self.cfg.radix_lookahead else 0)
-            host = {d: h for d, h in req.host_snapshots.items() if d not in snaps}
-            host_left = set(req.host_snapshots.values()) - set(host.values())
+            # host snapshots sit at chunk ends below the prompt's end: never at a depth of snaps
             result = self.cache.insert(req.tokens(0, n_ids), req.page_table[:n_pages], snaps,
-                                       host)
+                                       req.host_snapshots)
             self.page_pool.free(list(result.freed_pages) + req.page_table[n_pages:])
             slots_left -= set(snaps.values()) - set(result.unused_slots)
-            host_left |= set(result.unused_host_slots)
+            host_left = set(result.unused_host_slots)
         else:
             self.page_pool.free(req.page_table[owned_from:])
             host_left = set(req.host_snapshots.values())

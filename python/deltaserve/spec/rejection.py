@@ -10,6 +10,8 @@ seeded request consumes one random draw per committed token, as plain decoding d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from deltaserve.engine.sampling import SamplingRow, sample_rows
@@ -24,15 +26,13 @@ def accept_drafts(logits: torch.Tensor, base: SamplingRow, drafts: list[int]) ->
     Returns 1..len(drafts)+1 tokens: the accepted drafts followed by one target token.
     """
     assert logits.shape[0] >= len(drafts) + 1
-    out: list[int] = []
-    for j in range(len(drafts) + 1):
+
+    def target(j: int) -> int:  # sampled only when reached: one random draw per token
         row = SamplingRow(base.params, base.prompt_ids, base.generated_ids + drafts[:j],
                           base.generator)
-        token = sample_rows(logits[j:j + 1], [row])[0]
-        out.append(token)
-        if j == len(drafts) or token != drafts[j]:
-            break
-    return out
+        return sample_rows(logits[j:j + 1], [row])[0]
+
+    return _accept(target, drafts)
 
 
 def accept_greedy(targets: list[int], drafts: list[int]) -> list[int]:
@@ -43,9 +43,16 @@ def accept_greedy(targets: list[int], drafts: list[int]) -> list[int]:
     target after all drafts): the same tokens `accept_drafts` commits for such a request.
     """
     assert len(targets) >= len(drafts) + 1
+    return _accept(targets.__getitem__, drafts)
+
+
+def _accept(target: Callable[[int], int], drafts: list[int]) -> list[int]:
+    """Row targets in order, up to and including the first that differs from its draft (or
+    the bonus row after all drafts)."""
     out: list[int] = []
-    for j, target in enumerate(targets[:len(drafts) + 1]):
-        out.append(target)
-        if j == len(drafts) or target != drafts[j]:
+    for j in range(len(drafts) + 1):
+        token = target(j)
+        out.append(token)
+        if j == len(drafts) or token != drafts[j]:
             break
     return out
