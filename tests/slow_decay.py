@@ -21,3 +21,12 @@ def slow_decay(path) -> None:
         elif name.endswith("dt_bias"):
             tensors[name] = torch.full(t.shape, -2.0)
     save_file(tensors, file, metadata={"format": "pt"})
+
+
+def slow_decay_checkpoint(directory, seed: int) -> str:
+    """A tiny qwen3_5_text checkpoint (model.testing) in `directory`, made slow-decaying."""
+    from deltaserve.model.testing import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(directory, "qwen3_5_text", seed=seed)
+    slow_decay(path)
+    return str(path)

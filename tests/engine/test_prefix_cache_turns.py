@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.model.testing import make_tiny_checkpoint
 from drained import assert_drained
-from slow_decay import slow_decay
+from slow_decay import slow_decay_checkpoint
 from token_ids import random_tokens as tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -15,9 +14,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "m", "qwen3_5_text", seed=2)
-    slow_decay(path)
-    return str(path)
+    return slow_decay_checkpoint(tmp_path_factory.mktemp("ckpt") / "m", seed=2)
 
 
 def make(ckpt: str, page_size: int, cache: bool = True, chunk_size: int = 64) -> LLM:

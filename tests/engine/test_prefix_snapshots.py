@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.model.testing import make_tiny_checkpoint
 from drained import assert_drained
 from oracle import assert_same_greedy, reference_greedy
-from slow_decay import slow_decay
+from slow_decay import slow_decay_checkpoint
 from token_ids import random_tokens as tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -22,9 +21,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("snap") / "m", "qwen3_5_text", seed=4)
-    slow_decay(path)
-    return str(path)
+    return slow_decay_checkpoint(tmp_path_factory.mktemp("snap") / "m", seed=4)
 
 
 def make(ckpt: str, page_size: int = 16, chunk_size: int = 64, **kw) -> LLM:

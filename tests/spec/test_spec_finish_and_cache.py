@@ -11,7 +11,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
 from deltaserve.spec.proposer import Proposer
 from drained import assert_drained
-from slow_decay import slow_decay
+from slow_decay import slow_decay_checkpoint
 from token_ids import random_tokens as tokens
 
 
@@ -34,9 +34,8 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def slow_ckpt(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("slow") / "m", "qwen3_5_text", seed=9)
-    slow_decay(path)  # a stale or misplaced GDN state changes the tokens
-    return str(path)
+    # a stale or misplaced GDN state changes the tokens
+    return slow_decay_checkpoint(tmp_path_factory.mktemp("slow") / "m", seed=9)
 
 
 def llm(ckpt: str, **kw) -> LLM:
