@@ -82,6 +82,9 @@ DS_DEVICE T* window_row(const ConvParams& p, int64_t slot, int i, int c0) {
 // update (R = 1, window written) and verify (R rows, window read only).
 template <typename T, int W, bool VERIFY>
 __global__ void __launch_bounds__(kThreads) step_kernel(const ConvParams p) {
+  // gdn_decode / gdn_verify follow this kernel in a model step; they are launched with PDL and
+  // prefetch their state rows while it runs (compat.cuh).
+  launch_dependents();
   constexpr int kN = Vec<T>::kN;
   const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   const int per_row = p.D / kN;
@@ -224,24 +227,24 @@ __global__ void __launch_bounds__(kThreads) prefill_windows_kernel(const ConvPar
 template <typename T, int W>
 inline ds_error_t launch_conv_step(const ConvParams& p, bool verify, ds_stream_t stream) {
   const int64_t blocks = ceil_div(int64_t(p.N) * (p.D / Vec<T>::kN), kThreads);
-  return verify ? launch(step_kernel<T, W, true>, blocks, kThreads, stream, p)
-                : launch(step_kernel<T, W, false>, blocks, kThreads, stream, p);
+  return verify ? launch(step_kernel<T, W, true>, blocks, kThreads, stream, Pdl::kOff, p)
+                : launch(step_kernel<T, W, false>, blocks, kThreads, stream, Pdl::kOff, p);
 }
 
 template <typename T, int W>
 inline ds_error_t launch_conv_commit(const ConvParams& p, ds_stream_t stream) {
   const int64_t blocks = ceil_div(int64_t(p.N) * (p.D / Vec<T>::kN), kThreads);
-  return launch(commit_kernel<T, W>, blocks, kThreads, stream, p);
+  return launch(commit_kernel<T, W>, blocks, kThreads, stream, Pdl::kOff, p);
 }
 
 template <typename T, int W>
 inline ds_error_t launch_conv_prefill(const ConvParams& p, ds_stream_t stream) {
   const int per_row = p.D / Vec<T>::kN;
   const int64_t out_blocks = ceil_div(ceil_div(p.T, kPrefillTile) * per_row, kThreads);
-  ds_error_t err = launch(prefill_out_kernel<T, W>, out_blocks, kThreads, stream, p);
+  ds_error_t err = launch(prefill_out_kernel<T, W>, out_blocks, kThreads, stream, Pdl::kOff, p);
   if (err != DS_SUCCESS) return err;
   const int64_t win_blocks = ceil_div(int64_t(p.N) * per_row, kThreads);
-  return launch(prefill_windows_kernel<T, W>, win_blocks, kThreads, stream, p);
+  return launch(prefill_windows_kernel<T, W>, win_blocks, kThreads, stream, Pdl::kOff, p);
 }
 
 }  // namespace conv

@@ -55,6 +55,7 @@ struct RowSmem {
   float v[CH][BR];
   float decay[CH];
   float beta[CH];
+  float kq[HAS_Q ? CH : 1];  // k . q (q scaled) per row: the output term of step()
 };
 
 // This lane's 16 elements of a K-vector of floats (global or shared), float4 loads.
@@ -106,25 +107,39 @@ DS_DEVICE void warp_load_vector(const T* __restrict__ src, float (&x)[Layout<K>:
   }
 }
 
-// dst[0..K) = x * (rsqrt(sum(x^2) + eps) * scale) for the vector warp_load_vector loaded; also
-// to dst2 when not null (the verify stash).
+// Dot product of two vectors held as warp_load_vector holds them: a fixed fma chain per lane
+// (pieces ascending), then a 32-lane butterfly. Lanes past K hold zeros.
 template <int K>
-DS_DEVICE void warp_l2_store(const float (&x)[Layout<K>::kNormPieces][4], float* __restrict__ dst,
-                             float* __restrict__ dst2, float scale) {
-  constexpr int P = Layout<K>::kNormPieces;
+DS_DEVICE float warp_dot(const float (&x)[Layout<K>::kNormPieces][4],
+                         const float (&y)[Layout<K>::kNormPieces][4]) {
+  float acc = fmul(x[0][0], y[0][0]);
+#pragma unroll
+  for (int c = 0; c < Layout<K>::kNormPieces; ++c)
+#pragma unroll
+    for (int e = (c == 0 ? 1 : 0); e < 4; ++e) acc = ffma(x[c][e], y[c][e], acc);
+  return group_sum<kWarp>(acc);
+}
+
+// x <- x * (rsqrt(sum(x^2) + eps) * scale) for the vector warp_load_vector loaded.
+template <int K>
+DS_DEVICE void warp_l2_normalize(float (&x)[Layout<K>::kNormPieces][4], float scale) {
+  const float inv = fmul(frsqrt(fadd(warp_dot<K>(x, x), kL2Eps)), scale);
+#pragma unroll
+  for (int c = 0; c < Layout<K>::kNormPieces; ++c)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[c][e] = fmul(x[c][e], inv);
+}
+
+// dst[0..K) = x; also to dst2 when not null (the verify stash).
+template <int K>
+DS_DEVICE void warp_store(const float (&x)[Layout<K>::kNormPieces][4], float* __restrict__ dst,
+                          float* __restrict__ dst2) {
   const int wl = threadIdx.x % kWarp;
-  float acc = fmul(x[0][0], x[0][0]);
 #pragma unroll
-  for (int c = 0; c < P; ++c)
-#pragma unroll
-    for (int e = (c == 0 ? 1 : 0); e < 4; ++e) acc = ffma(x[c][e], x[c][e], acc);
-  const float inv = fmul(frsqrt(fadd(group_sum<kWarp>(acc), kL2Eps)), scale);
-#pragma unroll
-  for (int c = 0; c < P; ++c) {
+  for (int c = 0; c < Layout<K>::kNormPieces; ++c) {
     const int idx = (c * kWarp + wl) * 4;
     if (idx < K) {
-      const float4 y = make_float4(fmul(x[c][0], inv), fmul(x[c][1], inv), fmul(x[c][2], inv),
-                                   fmul(x[c][3], inv));
+      const float4 y = make_float4(x[c][0], x[c][1], x[c][2], x[c][3]);
       *reinterpret_cast<float4*>(dst + idx) = y;
       if (dst2 != nullptr) *reinterpret_cast<float4*>(dst2 + idx) = y;
     }
@@ -143,18 +158,23 @@ DS_DEVICE float gate_beta(float b) { return fdiv(1.f, fadd(1.f, fexp(-b))); }
 DS_DEVICE float gate_decay(float g) { return fexp(g); }
 
 // One recurrence row on this lane's slice of S[row, :] (Yang et al. 2024, eq. 10):
-//   S <- decay S;  S <- S + beta (v - S k) k^T;  o = S q.
+//   S <- decay S;  delta = beta (v - S k);  S <- S + delta k^T;  o = S q.
+// The output is taken as o = (decay S) q + delta (k . q), the same value as S q after the update
+// in exact arithmetic: both dots then read the decayed state, so their reductions run side by
+// side instead of one after the other (half the shuffle latency per row), and k . q is one
+// scalar per row, staged once per block (RowSmem::kq). The state update is the same either way.
 // Returns o (when WITH_OUTPUT) on every lane of the group.
 template <int K, bool WITH_OUTPUT>
 DS_DEVICE float step(float (&s)[kPerLane], const float (&k)[kPerLane],
-                     const float (&q)[kPerLane], float v, float decay, float beta) {
+                     const float (&q)[kPerLane], float v, float decay, float beta, float kq) {
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) s[i] = fmul(s[i], decay);
   const float delta = fmul(fsub(v, dot<K>(s, k)), beta);
+  float sq = 0.f;
+  if constexpr (WITH_OUTPUT) sq = dot<K>(s, q);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) s[i] = ffma(delta, k[i], s[i]);
-  if constexpr (WITH_OUTPUT) return dot<K>(s, q);
-  return 0.f;
+  return WITH_OUTPUT ? ffma(delta, kq, sq) : 0.f;
 }
 
 // Rows per thread for a launch over `heads` (request, value head[, layer]) triples of V rows.

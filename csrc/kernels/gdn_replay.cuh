@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) 
       const float decay = sm.decay[r], beta = sm.beta[r];
 #pragma unroll
       for (int m = 0; m < ROWS; ++m)
-        step<K, false>(s[m], k, k, sm.v[r][m * L::kGroups + grp], decay, beta);
+        step<K, false>(s[m], k, k, sm.v[r][m * L::kGroups + grp], decay, beta, 0.f);
     }
   }
 #pragma unroll
@@ -115,9 +115,9 @@ inline ds_error_t launch_replay(const ReplayParams& p, ds_stream_t stream) {
   const int64_t heads = int64_t(p.HV) * p.N * p.L;
   const auto blocks = [&](int rows) { return ceil_div(p.V, Layout<K>::kGroups * rows) * heads; };
   switch (pick_rows<K>(heads, p.V, /*one_launch_per_layer=*/false)) {
-    case 4: return launch(replay_kernel<K, 4>, blocks(4), kThreads, stream, p);
-    case 2: return launch(replay_kernel<K, 2>, blocks(2), kThreads, stream, p);
-    default: return launch(replay_kernel<K, 1>, blocks(1), kThreads, stream, p);
+    case 4: return launch(replay_kernel<K, 4>, blocks(4), kThreads, stream, Pdl::kOff, p);
+    case 2: return launch(replay_kernel<K, 2>, blocks(2), kThreads, stream, Pdl::kOff, p);
+    default: return launch(replay_kernel<K, 1>, blocks(1), kThreads, stream, Pdl::kOff, p);
   }
 }
 

@@ -90,9 +90,9 @@ inline ds_error_t launch_snapshot_copy(const SnapshotCopyParams& p, ds_stream_t 
   if (err != DS_SUCCESS) return err;
   // A few resident waves saturate HBM; more blocks would only repeat the per-tile index math.
   const int64_t blocks = tiles < int64_t(kBlocksPerSM) * sms ? tiles : int64_t(kBlocksPerSM) * sms;
-  if (unit == 16) return launch(copy_kernel<uint4>, blocks, kThreads, stream, p);
-  if (unit == 4) return launch(copy_kernel<uint32_t>, blocks, kThreads, stream, p);
-  return launch(copy_kernel<uint8_t>, blocks, kThreads, stream, p);
+  if (unit == 16) return launch(copy_kernel<uint4>, blocks, kThreads, stream, Pdl::kOff, p);
+  if (unit == 4) return launch(copy_kernel<uint32_t>, blocks, kThreads, stream, Pdl::kOff, p);
+  return launch(copy_kernel<uint8_t>, blocks, kThreads, stream, Pdl::kOff, p);
 }
 
 }  // namespace snapshot

@@ -54,7 +54,7 @@ ds::gdn::RecurrentParams recurrent_params(const at::Tensor& q, const at::Tensor&
     p.a_stride_r = a.stride(1); p.b_stride_r = b.stride(1);
   }
   p.N = q.size(0); p.R = has_r ? q.size(1) : 1; p.R_max = p.R;
-  p.H = H; p.HV = HV; p.V = V; p.scale = static_cast<float>(scale);
+  p.H = H; p.HV = HV; p.V = V; p.S = state.size(0); p.scale = static_cast<float>(scale);
   return p;
 }
 
