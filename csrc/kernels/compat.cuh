@@ -183,14 +183,13 @@ inline bool pdl_enabled() {
 
 // Every kernel goes through here: one place for launch attributes and the error check.
 template <typename... KArgs, typename... Args>
-inline ds_error_t launch(void (*kernel)(KArgs...), int64_t blocks, int threads,
-                         ds_stream_t stream, Pdl pdl, Args... args) {
-  if (blocks <= 0) return DS_SUCCESS;
-  if (blocks > 0x7fffffffLL) return DS_ERROR_INVALID_VALUE;
+inline ds_error_t launch(void (*kernel)(KArgs...), dim3 grid, int threads, ds_stream_t stream,
+                         Pdl pdl, Args... args) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return DS_SUCCESS;
 #if !DS_HIP
   if (pdl == Pdl::kOn && pdl_enabled()) {
     cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>(blocks));
+    config.gridDim = grid;
     config.blockDim = dim3(threads);
     config.stream = stream;
     cudaLaunchAttribute attr[1];
@@ -202,8 +201,17 @@ inline ds_error_t launch(void (*kernel)(KArgs...), int64_t blocks, int threads,
   }
 #endif
   (void)pdl;
-  kernel<<<dim3(static_cast<unsigned>(blocks)), dim3(threads), 0, stream>>>(args...);
+  kernel<<<grid, dim3(threads), 0, stream>>>(args...);
   return ds_get_last_error();
+}
+
+// A 1-D grid of `blocks` blocks (at most 2^31 - 1).
+template <typename... KArgs, typename... Args>
+inline ds_error_t launch(void (*kernel)(KArgs...), int64_t blocks, int threads,
+                         ds_stream_t stream, Pdl pdl, Args... args) {
+  if (blocks <= 0) return DS_SUCCESS;
+  if (blocks > 0x7fffffffLL) return DS_ERROR_INVALID_VALUE;
+  return launch(kernel, dim3(static_cast<unsigned>(blocks)), threads, stream, pdl, args...);
 }
 
 DS_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
