@@ -136,6 +136,27 @@ def test_verify_rows_equal_stepwise_decode_outputs_bitwise(kd, h, hv, rows, dtyp
                                    rtol=1e-5)
 
 
+@pytest.mark.parametrize("n", [32, 64])  # Qwen3-Next shapes: 4 and 8 row tiles per verify block
+@pytest.mark.parametrize("rows", [4, 9])  # 9: q, k restaged for every tile and chunk
+def test_verify_blocks_over_several_tiles_equal_stepwise_decode_and_replay(n, rows):
+    h, hv, kd = 16, 32, 128
+    ins = [gdn_inputs(n, rows, h, hv, kd, kd, seed=20 + rows, dtype=torch.bfloat16, device=DEV)]
+    pool = random_state(n + 1, hv, kd, kd, seed=21, device=DEV)
+    slots = _slots(n, n + 1, seed=22)
+    stash = GDNStash.allocate(1, n, rows, h, hv, kd, kd, DEV)
+    live = pool.clone()
+    o = gdn_verify(*ins[0], live, slots, kd ** -0.5, stash, 0)
+    assert torch.equal(live, pool)
+    steps = _decode_steps(ins, pool[None].clone(), slots, torch.full((n,), rows))
+    for r, (_, o_dec) in enumerate(steps[0]):
+        assert torch.equal(o[:, r], o_dec), f"row {r}"
+    accepted = torch.tensor([i % (rows + 1) for i in range(n)], dtype=torch.int32)
+    gdn_replay(stash, live[None], slots, accepted.to(DEV))
+    expect = pool[None].clone()
+    _decode_steps(ins, expect, slots, accepted)
+    assert torch.equal(live, expect[0])
+
+
 def test_state_pools_over_2_pow_31_elements_use_64_bit_offsets():
     h, hv, kd = 16, 32, 128
     per_slot = hv * kd * kd
