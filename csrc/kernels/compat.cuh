@@ -6,6 +6,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include <map>
+#include <mutex>
+#include <utility>
+
 #if defined(__HIP__) || defined(__HIPCC__)
 #include <hip/hip_runtime.h>
 #define DS_HIP 1
@@ -181,13 +185,35 @@ inline bool pdl_enabled() {
 #endif
 }
 
+// Whether `kernel`, as loaded for the current device, was compiled from sm_90+ PTX: only then
+// does it contain griddepcontrol.wait. A build whose PTX targets an older architecture (say
+// TORCH_CUDA_ARCH_LIST=8.0 run on an H100) would otherwise start early without waiting and
+// read its inputs before the previous kernel wrote them. Cached per (device, kernel).
+#if !DS_HIP
+inline bool kernel_waits(const void* kernel) {
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, bool> cache;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(dev, kernel);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    cudaFuncAttributes attr{};
+    const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.ptxVersion >= 90;
+    it = cache.emplace(key, ok).first;
+  }
+  return it->second;
+}
+#endif
+
 // Every kernel goes through here: one place for launch attributes and the error check.
 template <typename... KArgs, typename... Args>
 inline ds_error_t launch(void (*kernel)(KArgs...), dim3 grid, int threads, ds_stream_t stream,
                          Pdl pdl, Args... args) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return DS_SUCCESS;
 #if !DS_HIP
-  if (pdl == Pdl::kOn && pdl_enabled()) {
+  if (pdl == Pdl::kOn && pdl_enabled() && kernel_waits(reinterpret_cast<const void*>(kernel))) {
     cudaLaunchConfig_t config = {};
     config.gridDim = grid;
     config.blockDim = dim3(threads);
