@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -34,6 +35,13 @@ using ds_error_t = cudaError_t;
 #if defined(__CUDACC__) || defined(__HIP__)
 
 #define DS_DEVICE __device__ __forceinline__
+// __launch_bounds__(threads, min blocks per SM) on CUDA. HIP reads a second argument as waves
+// per EU, a different quantity, so there only the thread count is given.
+#if DS_HIP
+#define DS_LAUNCH_BOUNDS_MIN_BLOCKS(threads, blocks) __launch_bounds__(threads)
+#else
+#define DS_LAUNCH_BOUNDS_MIN_BLOCKS(threads, blocks) __launch_bounds__(threads, blocks)
+#endif
 #define DS_HOST_DEVICE __host__ __device__ __forceinline__
 
 namespace ds {
@@ -169,26 +177,30 @@ inline bool pdl_enabled() {
 #if DS_HIP
   return false;
 #else
-  static int cache[64] = {0};  // 0 unknown, 1 no, 2 yes
+  static std::atomic<int> cache[64];  // 0 unknown, 1 no, 2 yes (zero-initialised: static)
   static const bool env_off = [] {
     const char* e = std::getenv("DS_PDL");
     return e != nullptr && e[0] == '0';
   }();
   int dev = 0;
   if (env_off || cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  if (cache[dev] == 0) {
+  if (cache[dev].load(std::memory_order_relaxed) == 0) {
     int major = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cache[dev] = major >= 9 ? 2 : 1;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;  // not cached: a later launch asks again
+    }
+    cache[dev].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
   }
-  return cache[dev] == 2;
+  return cache[dev].load(std::memory_order_relaxed) == 2;
 #endif
 }
 
 // Whether `kernel`, as loaded for the current device, was compiled from sm_90+ PTX: only then
 // does it contain griddepcontrol.wait. A build whose PTX targets an older architecture (say
 // TORCH_CUDA_ARCH_LIST=8.0 run on an H100) would otherwise start early without waiting and
-// read its inputs before the previous kernel wrote them. Cached per (device, kernel).
+// read its inputs before the previous kernel wrote them. Cached per (device, kernel); a failed
+// query is not cached (it may be an error left over from an earlier asynchronous launch).
 #if !DS_HIP
 inline bool kernel_waits(const void* kernel) {
   static std::mutex mu;
@@ -200,8 +212,8 @@ inline bool kernel_waits(const void* kernel) {
   auto it = cache.find(key);
   if (it == cache.end()) {
     cudaFuncAttributes attr{};
-    const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.ptxVersion >= 90;
-    it = cache.emplace(key, ok).first;
+    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) return false;
+    it = cache.emplace(key, attr.ptxVersion >= 90).first;
   }
   return it->second;
 }
@@ -223,7 +235,9 @@ inline ds_error_t launch(void (*kernel)(KArgs...), dim3 grid, int threads, ds_st
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     config.attrs = attr;
     config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, kernel, static_cast<KArgs>(args)...);
+    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, static_cast<KArgs>(args)...);
+    const cudaError_t last = cudaGetLastError();  // as after <<<>>>: nothing left pending
+    return err != cudaSuccess ? err : last;
   }
 #endif
   (void)pdl;

@@ -257,7 +257,7 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
 // blocks per SM over the 4 that ptxas picked on its own; verify, with R rows of inputs in
 // flight, is best left to ptxas (a cap of 4 or 5 blocks cost 0-12% at K=128, spills at K=32).
 template <typename T, int K, int ROWS>
-__global__ void __launch_bounds__(kThreads, 5) decode_kernel(const RecurrentParams p) {
+__global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, 5) decode_kernel(const RecurrentParams p) {
   decode_block<T, K, ROWS>(p);
 }
 template <typename T, int K, int ROWS>
@@ -294,7 +294,8 @@ inline ds_error_t launch_rows(RecurrentParams p, ds_stream_t stream) {
 
 template <typename T, int K, bool VERIFY>
 inline ds_error_t launch_recurrent(const RecurrentParams& p, ds_stream_t stream) {
-  if (p.N > 65535 || p.H > 65535) return DS_ERROR_INVALID_VALUE;  // verify grid y/z limits
+  if (p.N <= 0 || p.V <= 0 || p.HV <= 0) return DS_SUCCESS;  // nothing to compute
+  if (VERIFY && (p.N > 65535 || p.H > 65535)) return DS_ERROR_INVALID_VALUE;  // grid y/z
   switch (pick_rows<K>(int64_t(p.HV) * p.N, p.V)) {
     case 4: return launch_rows<T, K, 4, VERIFY>(p, stream);
     case 2: return launch_rows<T, K, 2, VERIFY>(p, stream);

@@ -36,7 +36,7 @@ ds::gdn::RecurrentParams recurrent_params(const at::Tensor& q, const at::Tensor&
   check_rows(v, 2, 1, "v");  // scalar loads: any row stride
   TORCH_CHECK(a.stride(-1) == 1 && b.stride(-1) == 1, "deltaserve: a, b must be dense per row");
   const int H = q.size(-2), K = q.size(-1), HV = v.size(-2), V = v.size(-1);
-  TORCH_CHECK(HV % H == 0, "deltaserve: HV must be a multiple of H");
+  TORCH_CHECK(H > 0 && HV % H == 0, "deltaserve: HV must be a positive multiple of H");
   TORCH_CHECK(state.dim() == 4 && state.size(1) == HV && state.size(2) == V && state.size(3) == K,
               "deltaserve: state must be [S, HV, V, K]");
   TORCH_CHECK(a.size(-1) == HV && A_log.numel() == HV && dt_bias.numel() == HV,

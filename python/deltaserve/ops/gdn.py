@@ -8,7 +8,9 @@ Gates: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), fp32.
 
 On CPU, decode, verify and replay run ONE step function (`_step`), so replaying n stashed rows
 is bitwise equal to n decode steps and verify outputs are bitwise equal to decode outputs. The
-CUDA kernels keep the same promise among themselves (one device function), not with the CPU.
+CUDA kernels keep the same promise among themselves (one device function), not with the CPU:
+they take o = (exp(g) S) q + delta (k . q) with delta = beta (v - exp(g) S k), equal to the
+o above in exact arithmetic (docs/kernels.md), so their outputs differ from these by rounding.
 """
 
 from __future__ import annotations
