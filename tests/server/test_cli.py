@@ -100,6 +100,48 @@ def test_a_negative_snapshot_slot_count_is_refused_at_startup_naming_the_flag(fl
         main(["generate", flag, "-2", "hi"])
 
 
+def test_an_unknown_log_level_is_a_usage_error_and_case_does_not_matter(capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--log-level", "LOUD", "generate", "x"])
+    assert e.value.code == 2
+    assert "--log-level" in capsys.readouterr().err
+    assert build_parser().parse_args(["--log-level", "debug", "generate", "x"]).log_level == "DEBUG"
+
+
+@pytest.mark.parametrize("flag,value,message", [("--max-tokens", "0", "--max-tokens must be >= 1"),
+                                                ("--top-p", "0", "--top-p must be in"),
+                                                ("--temperature", "-1", "--temperature must")])
+def test_a_bad_sampling_flag_is_refused_before_the_model_loads(flag, value, message,
+                                                               monkeypatch):
+    import deltaserve.server.cli as cli
+
+    def load(args):
+        raise AssertionError("the model was loaded before the sampling flags were checked")
+
+    monkeypatch.setattr(cli, "_make_engine", load)
+    with pytest.raises(SystemExit, match=f"deltaserve: error: {re.escape(message)}"):
+        main(["generate", flag, value, "hi"])
+
+
+def test_ctrl_c_in_generate_exits_130_without_a_traceback(monkeypatch, capsys):
+    import deltaserve.server.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_generate", interrupted)
+    assert main(["generate", "hi"]) == 130
+    assert capsys.readouterr().err.strip() == "deltaserve: interrupted"
+
+
+def test_generate_says_when_the_context_length_cuts_max_tokens(tiny_model, capsys):
+    code = main(["--log-level", "WARNING", "generate", "--model", str(tiny_model), "--device",
+                 "cpu", "--max-model-len", "16", "--max-tokens", "100", "--ignore-eos", "hi"])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "--max-tokens 100 does not fit the context length 16 for 1 prompt(s)" in err
+
+
 def test_generate_prints_a_completion(tiny_model, capsys):
     code = main(["--log-level", "WARNING", "generate", "--model", str(tiny_model), "--device",
                  "cpu", "--max-tokens", "4", "--ignore-eos", "Hello there"])

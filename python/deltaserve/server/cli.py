@@ -101,25 +101,34 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return cfg
 
 
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
+                  "top_p": "--top-p", "top_k": "--top-k"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                        help="logging level, before the command (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="print completions of the prompts (or stdin lines)")
     gen.add_argument("prompts", nargs="*", metavar="PROMPT",
                      help="prompts; none: one prompt per line of standard input")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--max-tokens", type=int, default=64,
+                     help="new tokens per prompt, at most up to the context length (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature; 0: greedy (default 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, (0, 1]")
+    gen.add_argument("--top-k", type=int, default=-1, help="top-k sampling; -1: off")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true",
                      help="wrap each prompt as a user message in the chat template")
     add_engine_flags(gen)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000,
                        help="TCP port, 0..65535 (0: any free port; default 8000)")
     serve.add_argument("--served-model-name", default=None,
@@ -147,6 +156,11 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos)
+    try:  # before minutes of model loading, naming the flag
+        params.validate()
+    except ValueError as e:
+        field, _, rest = str(e).partition(" ")
+        raise SystemExit(f"deltaserve: error: {SAMPLING_FLAGS.get(field, field)} {rest}") from e
     engine = _make_engine(args)
     tok = engine.tokenizer
     if tok is None:
@@ -160,8 +174,13 @@ def _generate(args: argparse.Namespace) -> int:
         ids = [tok.encode(p) for p in prompts]
     try:
         rids = [engine.add_request(i, params) for i in ids]
-    except ValueError as e:  # prompt over the context limit, bad sampling parameters
+    except ValueError as e:  # prompt over the context limit
         raise SystemExit(f"deltaserve: error: {e}") from e
+    cut = [n for n, i in enumerate(ids) if len(i) + params.max_tokens > engine.max_model_len]
+    if cut:  # the server refuses such a request; here the context length bounds the output
+        print(f"deltaserve generate: --max-tokens {params.max_tokens} does not fit the context "
+              f"length {engine.max_model_len} for {len(cut)} prompt(s): they stop at the "
+              f"context length", file=sys.stderr)
     texts = {rid: "" for rid in rids}
     live = len(rids) == 1  # a single prompt streams to stdout as it is generated
     while engine.has_unfinished():
@@ -223,6 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad flags, checkpoint or device: one line
         print(f"deltaserve: error: {e}", file=sys.stderr)
         return 1  # as SystemExit(message) gives; 2 stays argparse's usage errors
+    except KeyboardInterrupt:  # Ctrl-C during loading or generate: no traceback
+        print("\ndeltaserve: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
