@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import socket
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
 
@@ -63,7 +64,8 @@ def _value_type(annotation: str) -> type:
     return str
 
 
-SHUTDOWN_GRACE_S = 5  # seconds
+SHUTDOWN_GRACE_S = 5  # seconds uvicorn waits for open connections after Ctrl-C
+ENGINE_STOP_S = SHUTDOWN_GRACE_S - 1  # then requests still running end with an error
 
 
 def _port(text: str) -> int:
@@ -209,6 +211,27 @@ def _check_listen(host: str, port: int) -> None:
         raise ValueError(f"cannot listen on {host}:{port}: {e}") from e
 
 
+def graceful_server(config, engine, stop_after: float = ENGINE_STOP_S):
+    """A uvicorn.Server for `config` that, on the first exit signal (Ctrl-C, SIGTERM), gives
+    requests `stop_after` seconds to finish and then stops `engine` (an AsyncEngine). Each
+    request still running then ends as an answer (503 JSON, or an error event and [DONE] in a
+    stream) before uvicorn's grace period runs out; uvicorn would instead cancel its task (a
+    plain-text 500 and a logged traceback)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        stop_timer: threading.Timer | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.stop_timer is None:
+                self.stop_timer = threading.Timer(stop_after, engine.shutdown)
+                self.stop_timer.daemon = True
+                self.stop_timer.start()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -220,11 +243,13 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         app = build_app(engine)
         logger.info("serving %s", engine.model_name)
-        # Ctrl-C: open streams get SHUTDOWN_GRACE_S to finish, then their connections are
-        # closed (each request is aborted, freeing its pages and slots) instead of the server
-        # waiting for every running generation to end.
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        config = uvicorn.Config(app, host=args.host, port=args.port,
+                                log_level=args.log_level.lower(),
+                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        try:
+            graceful_server(config, engine).run()
+        except KeyboardInterrupt:  # uvicorn re-raises the signal it handled (uvicorn.run too)
+            pass
     finally:
         engine.shutdown()
     return 0

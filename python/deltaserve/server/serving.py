@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from deltaserve.server.async_engine import AsyncEngine, RequestStream
+from deltaserve.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from deltaserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -236,7 +236,7 @@ class OpenAIServing:
         chunk_type = ChatCompletionChunk if endpoint == "chat" else CompletionResponse
 
         async def events() -> AsyncIterator[str]:
-            last = None
+            last, stopped = None, False
             try:
                 async for out in stream:
                     for chunk in chunks(rid, out, first=last is None):
@@ -244,6 +244,12 @@ class OpenAIServing:
                     last = out
                 if body.include_usage and last is not None:
                     yield sse(chunk_type(id=rid, model=model, choices=[], usage=_usage(last)))
+            except EngineDeadError as e:  # the server is stopping: an answer, not a crash
+                stopped = True
+                logger.info("request %s ended: %s", rid, e)
+                self.metrics.errors.labels(status="503").inc()
+                yield sse({"error": {"message": str(e), "type": "server_error",
+                                     "param": None, "code": None}})
             except Exception as e:  # headers are sent: report in-band, then end the stream
                 logger.exception("request %s failed mid-stream", rid)
                 self.metrics.errors.labels(status="500").inc()
@@ -251,7 +257,7 @@ class OpenAIServing:
                                      "param": None, "code": None}})
             finally:
                 stream.abort()  # no-op once finished; frees pages/slots if the client left
-                if last is None or not last.finished:
+                if not stopped and (last is None or not last.finished):
                     self._aborted(rid, endpoint)
             if last is not None and last.finished:
                 self._finished(rid, endpoint, last)
