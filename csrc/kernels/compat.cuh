@@ -6,7 +6,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include <atomic>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -171,42 +170,24 @@ DS_DEVICE void prefetch_l2(const void* p) {
 // ---- launch ----------------------------------------------------------------------------------
 enum class Pdl { kOff, kOn };
 
-// Whether the current device runs programmatic dependent launch (compute capability >= 9);
-// DS_PDL=0 in the environment turns it off (A/B runs). Cached per device.
-inline bool pdl_enabled() {
-#if DS_HIP
-  return false;
-#else
-  static std::atomic<int> cache[64];  // 0 unknown, 1 no, 2 yes (zero-initialised: static)
+// Whether `kernel` may be launched with programmatic dependent launch on the current device:
+// only if it was compiled from sm_90+ PTX, since only then does it contain griddepcontrol.wait
+// (and such an image only loads on an sm_90+ device, so this also answers "does the GPU have
+// PDL"). A build whose PTX targets an older architecture (say TORCH_CUDA_ARCH_LIST=8.0 run on an
+// H100) would otherwise start early without waiting and read its inputs before the previous
+// kernel wrote them. DS_PDL=0 in the environment turns PDL off (A/B runs). Cached per
+// (device, kernel); a failed query is not cached (it may be an error left over from an earlier
+// asynchronous launch).
+#if !DS_HIP
+inline bool pdl_ready(const void* kernel) {
   static const bool env_off = [] {
     const char* e = std::getenv("DS_PDL");
     return e != nullptr && e[0] == '0';
   }();
-  int dev = 0;
-  if (env_off || cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  if (cache[dev].load(std::memory_order_relaxed) == 0) {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;  // not cached: a later launch asks again
-    }
-    cache[dev].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
-  }
-  return cache[dev].load(std::memory_order_relaxed) == 2;
-#endif
-}
-
-// Whether `kernel`, as loaded for the current device, was compiled from sm_90+ PTX: only then
-// does it contain griddepcontrol.wait. A build whose PTX targets an older architecture (say
-// TORCH_CUDA_ARCH_LIST=8.0 run on an H100) would otherwise start early without waiting and
-// read its inputs before the previous kernel wrote them. Cached per (device, kernel); a failed
-// query is not cached (it may be an error left over from an earlier asynchronous launch).
-#if !DS_HIP
-inline bool kernel_waits(const void* kernel) {
   static std::mutex mu;
   static std::map<std::pair<int, const void*>, bool> cache;
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (env_off || cudaGetDevice(&dev) != cudaSuccess) return false;
   const std::lock_guard<std::mutex> lock(mu);
   const auto key = std::make_pair(dev, kernel);
   auto it = cache.find(key);
@@ -225,7 +206,7 @@ inline ds_error_t launch(void (*kernel)(KArgs...), dim3 grid, int threads, ds_st
                          Pdl pdl, Args... args) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return DS_SUCCESS;
 #if !DS_HIP
-  if (pdl == Pdl::kOn && pdl_enabled() && kernel_waits(reinterpret_cast<const void*>(kernel))) {
+  if (pdl == Pdl::kOn && pdl_ready(reinterpret_cast<const void*>(kernel))) {
     cudaLaunchConfig_t config = {};
     config.gridDim = grid;
     config.blockDim = dim3(threads);

@@ -47,7 +47,7 @@ class PrefixMatch(NamedTuple):
 class InsertResult(NamedTuple):
     freed_pages: list[int]  # caller pages the tree did not take (it had its own): free them
     unused_slots: list[int]  # caller slots the tree did not take (it had a snapshot there)
-    unused_host_slots: list[int] = []  # the same for host bank slots
+    unused_host_slots: Sequence[int] = ()  # the same for host bank slots
 
 
 class EvictResult(NamedTuple):

@@ -260,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # without Triton; deltaserve never runs fla there (CPU prefill is the torch reference).
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return _generate(args) if args.command == "generate" else _serve(args)

@@ -244,16 +244,15 @@ class OpenAIServing:
                     last = out
                 if body.include_usage and last is not None:
                     yield sse(chunk_type(id=rid, model=model, choices=[], usage=_usage(last)))
-            except EngineDeadError as e:  # the server is stopping: an answer, not a crash
-                stopped = True
-                logger.info("request %s ended: %s", rid, e)
-                self.metrics.errors.labels(status="503").inc()
-                yield sse({"error": {"message": str(e), "type": "server_error",
-                                     "param": None, "code": None}})
             except Exception as e:  # headers are sent: report in-band, then end the stream
-                logger.exception("request %s failed mid-stream", rid)
-                self.metrics.errors.labels(status="500").inc()
-                yield sse({"error": {"message": f"internal error: {e}", "type": "server_error",
+                stopped = isinstance(e, EngineDeadError)  # the server is stopping, not a bug
+                if stopped:
+                    logger.info("request %s ended: %s", rid, e)
+                else:
+                    logger.exception("request %s failed mid-stream", rid)
+                self.metrics.errors.labels(status="503" if stopped else "500").inc()
+                message = str(e) if stopped else f"internal error: {e}"
+                yield sse({"error": {"message": message, "type": "server_error",
                                      "param": None, "code": None}})
             finally:
                 stream.abort()  # no-op once finished; frees pages/slots if the client left
