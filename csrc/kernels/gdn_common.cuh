@@ -47,14 +47,16 @@ struct Tile {
   static constexpr int kRows = Layout<K>::kGroups * ROWS;
 };
 
-// Staged per-row inputs of one block (CH rows at a time; q only where an output is computed).
-template <int K, int BR, int CH, bool HAS_Q>
+// Staged per-row inputs of one block, CH rows at a time: q and k of the key head (q only where
+// an output is computed), and v and the gates of each of its TILES row tiles (VROWS value rows in
+// all; tile i's rows at v[r][i * BR ..]).
+template <int K, int VROWS, int CH, bool HAS_Q, int TILES = 1>
 struct RowSmem {
   float q[HAS_Q ? CH : 1][K];
   float k[CH][K];
-  float v[CH][BR];
-  float decay[CH];
-  float beta[CH];
+  float v[CH][VROWS];
+  float decay[CH][TILES];
+  float beta[CH][TILES];
   float kq[HAS_Q ? CH : 1];  // k . q (q scaled) per row: the output term of step()
 };
 

@@ -40,21 +40,30 @@ struct RecurrentParams {
   float scale;            // applied to q after its L2 norm
 };
 
-// Stage rows c0 .. c0+rc-1 of request n for value head hv (key head h) into shared memory;
-// verify also writes the stash (k by the k_writer block of each key head, g/beta by row tile 0
-// of each value head, v per row). q and k only `with_qk` (a block serving several tiles keeps
-// them). One warp takes both q and k of a row (row r: warp r % kWarps), so it also forms k . q.
-// Every global load of the chunk is issued before any of them is used: one memory round trip
-// per chunk instead of one per q/k vector and per v pass (verify with R = 4 spent most of its
-// time waiting on those in turn, with the memory pipe idle).
-template <typename T, int K, int BR, int CH, bool VERIFY>
-DS_DEVICE void stage_rows(const RecurrentParams& p, RowSmem<K, BR, CH, true>& sm, int n, int c0,
-                          int rc, int h, int hv, int tile, bool with_qk, bool k_writer) {
+// Stage rows c0 .. c0+rc-1 of request n for key head h and its work tiles w0 .. w0+nt-1 into
+// shared memory (work tile w: row tile w % tiles of value head h * G + w / tiles, G = HV / H);
+// verify also writes the stash (k by the k_writer block of each key head, g/beta by the block
+// holding row tile 0 of each value head, v per row). q and k only `with_qk`. One warp takes
+// both q and k of a row (row r: warp r % kWarps), so it also forms k . q. The q/k loads and the
+// first pass of v and gate loads are all issued before any of them is used: one memory round
+// trip per staging instead of one per q/k vector and per v pass (verify with R = 4 spent most of
+// its time waiting on those in turn, with the memory pipe idle).
+template <typename T, int K, int BR, int VROWS, int CH, int TILES, bool VERIFY>
+DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, TILES>& sm,
+                          int n, int c0, int rc, int h, int w0, int nt, int tiles, bool with_qk,
+                          bool k_writer) {
   constexpr int P = Layout<K>::kNormPieces;
   constexpr int kRowsPerWarp = (CH + kWarps - 1) / kWarps;
-  constexpr int kVals = (CH * BR + kThreads - 1) / kThreads;  // v values per thread
   const int tid = threadIdx.x;
   const int warp = tid / kWarp;
+  // v and the gates are taken from the last thread backwards, q and k from warp 0 forwards: with
+  // few rows (decode: one) the gate math and the q/k norms then run in different warps, side by
+  // side (the same warp doing both cost decode 18% at B=64, session 5).
+  const int rt = kThreads - 1 - tid;
+  const int G = p.HV / p.H;
+  // One tile (decode, one-tile verify): its value head and row tile once, no divisions per slot.
+  constexpr bool kOne = TILES == 1;
+  const int hv0 = h * G + w0 / tiles, row0 = (w0 % tiles) * BR;
 
   float x[kRowsPerWarp][2][P][4];  // [.][0]: q, [.][1]: k
 #pragma unroll
@@ -67,24 +76,49 @@ DS_DEVICE void stage_rows(const RecurrentParams& p, RowSmem<K, BR, CH, true>& sm
       warp_load_vector<K, T>(k + h * K, x[i][1]);
     }
   }
-  float v[kVals];
+  // v: a thread's slot u holds staged row r0 + slot_row(u), span column slot_col(u) (tile slot
+  // c / BR, tile row c % BR), all loads of a pass issued before its stores. A small span (decode,
+  // one verify tile) is covered in one pass, rows and columns spread over all threads; a wide one
+  // (several verify tiles) takes the same columns in every row, four rows a pass.
+  constexpr bool kSmall = CH * VROWS <= 2 * kThreads;
+  constexpr int kCols = (VROWS + kThreads - 1) / kThreads;
+  constexpr int kPassRows = kSmall ? CH : (CH < 4 ? CH : 4);
+  constexpr int kSlots = kSmall ? (CH * VROWS + kThreads - 1) / kThreads : kPassRows * kCols;
+  const auto slot_row = [&](int u) { return kSmall ? (rt + u * kThreads) / VROWS : u / kCols; };
+  const auto slot_col = [&](int u) {
+    return kSmall ? (rt + u * kThreads) % VROWS : rt + (u % kCols) * kThreads;
+  };
+  const int span = nt * BR;
+  int v_hv[kSlots], v_row[kSlots];  // v_row -1: past the span or past V (nothing loaded)
 #pragma unroll
-  for (int i = 0; i < kVals; ++i) {
-    const int e = tid + i * kThreads, r = e / BR, row = tile * BR + e % BR;
-    v[i] = 0.f;
-    if (e < rc * BR && row < p.V) {
-      const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + (c0 + r) * p.v_stride_r;
-      v[i] = to_float(vp[int64_t(hv) * p.V + row]);
-    }
+  for (int u = 0; u < kSlots; ++u) {
+    const int c = slot_col(u), w = w0 + c / BR;
+    v_hv[u] = kOne ? hv0 : h * G + w / tiles;
+    v_row[u] = kOne ? row0 + c : (w % tiles) * BR + c % BR;
+    if (c >= span || v_row[u] >= p.V) v_row[u] = -1;
   }
-  const int gr = tid - (kThreads - rc);  // gates: the last rc threads, one row each
+  const auto load_v = [&](int r0, float (&v)[kSlots]) {
+#pragma unroll
+    for (int u = 0; u < kSlots; ++u) {
+      const int r = r0 + slot_row(u);
+      const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + (c0 + r) * p.v_stride_r;
+      v[u] = r < rc && v_row[u] >= 0 ? to_float(vp[int64_t(v_hv[u]) * p.V + v_row[u]]) : 0.f;
+    }
+  };
+  float v[kSlots];
+  load_v(0, v);
+  // Gates: one (row, tile slot) pair per thread. A value head's gates are computed by each of
+  // its tiles in the span, from the same inputs by the same function, so the bits agree.
+  const int ng = rc * nt;
   float ga = 0.f, gb = 0.f, a_log = 0.f, dt_bias = 0.f;
-  if (gr >= 0) {
+  const auto load_gate = [&](int e) {
+    const int r = kOne ? e : e / nt, hv = kOne ? hv0 : h * G + (w0 + e % nt) / tiles;
     a_log = p.A_log[hv];
     dt_bias = p.dt_bias[hv];
-    ga = to_float(static_cast<const T*>(p.a)[n * p.a_stride_n + (c0 + gr) * p.a_stride_r + hv]);
-    gb = to_float(static_cast<const T*>(p.b)[n * p.b_stride_n + (c0 + gr) * p.b_stride_r + hv]);
-  }
+    ga = to_float(static_cast<const T*>(p.a)[n * p.a_stride_n + (c0 + r) * p.a_stride_r + hv]);
+    gb = to_float(static_cast<const T*>(p.b)[n * p.b_stride_n + (c0 + r) * p.b_stride_r + hv]);
+  };
+  if (rt < ng) load_gate(rt);
 
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
@@ -100,22 +134,26 @@ DS_DEVICE void stage_rows(const RecurrentParams& p, RowSmem<K, BR, CH, true>& sm
       if (tid % kWarp == 0) sm.kq[r] = kq;
     }
   }
+  for (int r0 = 0; r0 < rc; r0 += kPassRows) {
+    if (r0 > 0) load_v(r0, v);
 #pragma unroll
-  for (int i = 0; i < kVals; ++i) {
-    const int e = tid + i * kThreads, r = e / BR, j = e % BR, row = tile * BR + j;
-    if (e < rc * BR) {
-      sm.v[r][j] = v[i];
-      if (VERIFY && row < p.V)
-        p.stash_v[((int64_t(n) * p.R_max + c0 + r) * p.HV + hv) * p.V + row] = v[i];
+    for (int u = 0; u < kSlots; ++u) {
+      const int r = r0 + slot_row(u), c = slot_col(u);
+      if (r < rc && c < span) sm.v[r][c] = v[u];  // zero past V: computes, never stored
+      if (VERIFY && r < rc && v_row[u] >= 0)
+        p.stash_v[((int64_t(n) * p.R_max + c0 + r) * p.HV + v_hv[u]) * p.V + v_row[u]] = v[u];
     }
   }
-  if (gr >= 0) {
+  for (int e = rt; e < ng; e += kThreads) {
+    if (e > rt) load_gate(e);
+    const int r = kOne ? e : e / nt, i = kOne ? 0 : e % nt, w = w0 + i;
+    const int hv = kOne ? hv0 : h * G + w / tiles;
     const float g = gate_g(ga, a_log, dt_bias);
     const float beta = gate_beta(gb);
-    sm.decay[gr] = gate_decay(g);
-    sm.beta[gr] = beta;
-    if (VERIFY && tile == 0) {
-      const int64_t sr = int64_t(n) * p.R_max + c0 + gr;
+    sm.decay[r][i] = gate_decay(g);
+    sm.beta[r][i] = beta;
+    if (VERIFY && w % tiles == 0) {
+      const int64_t sr = int64_t(n) * p.R_max + c0 + r;
       p.stash_g[sr * p.HV + hv] = g;
       p.stash_beta[sr * p.HV + hv] = beta;
     }
@@ -148,23 +186,26 @@ DS_DEVICE void load_tile(const float* head, int tile, int V, float (&s)[ROWS][kP
   }
 }
 
-// The staged rows c0 .. c0+rc-1 through this thread's state rows, one output per row.
-template <typename T, int K, int ROWS, int BR, int CH>
-DS_DEVICE void run_rows(const RecurrentParams& p, const RowSmem<K, BR, CH, true>& sm,
-                        float (&s)[ROWS][kPerLane], const int (&row)[ROWS], int n, int hv,
+// The staged rows c0 .. c0+rc-1 through this thread's state rows of the span's tile slot i, one
+// output per row.
+template <typename T, int K, int ROWS, int VROWS, int CH, int TILES>
+DS_DEVICE void run_rows(const RecurrentParams& p, const RowSmem<K, VROWS, CH, true, TILES>& sm,
+                        float (&s)[ROWS][kPerLane], const int (&row)[ROWS], int n, int hv, int i,
                         int c0, int rc) {
   using L = Layout<K>;
+  constexpr int BR = Tile<K, ROWS>::kRows;
   const int lane = L::group_lane(), grp = L::group();
-  for (int r = 0; r < rc; ++r) {
+  T* o = static_cast<T*>(p.o) + ((int64_t(n) * p.R + c0) * p.HV + hv) * p.V;
+  const int64_t o_row = int64_t(p.HV) * p.V;  // one verify row further
+  for (int r = 0; r < rc; ++r, o += o_row) {
     float k[kPerLane], q[kPerLane];
     load_slice<K>(sm.k[r], lane, k);
     load_slice<K>(sm.q[r], lane, q);
-    const float decay = sm.decay[r], beta = sm.beta[r];
-    T* o = static_cast<T*>(p.o) + ((int64_t(n) * p.R + c0 + r) * p.HV + hv) * p.V;
+    const float decay = sm.decay[r][i], beta = sm.beta[r][i];
 #pragma unroll
     for (int m = 0; m < ROWS; ++m) {
-      const float out =
-          step<K, true>(s[m], k, q, sm.v[r][m * L::kGroups + grp], decay, beta, sm.kq[r]);
+      const float out = step<K, true>(s[m], k, q, sm.v[r][i * BR + m * L::kGroups + grp], decay,
+                                      beta, sm.kq[r]);
       if (row[m] >= 0 && lane == 0) o[row[m]] = from_float<T>(out);
     }
   }
@@ -189,7 +230,7 @@ DS_DEVICE void decode_block(const RecurrentParams& p) {
   const int tile = static_cast<int>(blk % tiles);
   const int hv = static_cast<int>((blk / tiles) % p.HV);
   const int n = static_cast<int>(blk / (int64_t(tiles) * p.HV));
-  const int h = hv / (p.HV / p.H);
+  const int G = p.HV / p.H, h = hv / G;
   const int64_t head_elems = int64_t(p.V) * K;
 
   launch_dependents();  // the next kernel may start its prologue now
@@ -201,30 +242,46 @@ DS_DEVICE void decode_block(const RecurrentParams& p) {
   float s[ROWS][kPerLane];
   int row[ROWS];
   load_tile<K, ROWS>(head, tile, p.V, s, row);
-  stage_rows<T, K, BR, 1, false>(p, sm, n, 0, 1, h, hv, tile, true, false);
+  stage_span<T, K, BR, BR, 1, 1, false>(p, sm, n, 0, 1, h, (hv - h * G) * tiles + tile, 1, tiles,
+                                        true, false);
   __syncthreads();
-  run_rows<T, K, ROWS>(p, sm, s, row, n, hv, 0, 1);
+  run_rows<T, K, ROWS>(p, sm, s, row, n, hv, 0, 0, 1);
 #pragma unroll
   for (int m = 0; m < ROWS; ++m)
     if (row[m] >= 0) store_slice<K>(head + int64_t(row[m]) * K, Layout<K>::group_lane(), s[m]);
 }
 
-// gdn_verify, one block: work tiles [w0, w1) of key head h of request n, one after another.
-// Work tile w is row tile w % tiles of value head h * G + w / tiles (G = HV / H value heads
-// share q and k), so a block that stages q, k once serves every tile it owns: the per-block work
-// (index math, q/k loads, L2 norms, k . q; about a third of verify's instructions at one tile per
-// block) is paid once per key head instead of once per tile. Grid: (splits of the G * tiles work
-// tiles, H, N).
-template <typename T, int K, int ROWS>
+// A verify block with several tiles stages v and the gates of all of them at once: at most
+// kStagedRows value rows (16 KB of v for 8 rows), so it spans at most Staged<>::kTiles tiles.
+// A one-tile block (MULTI false) stages only its own rows: less shared memory and less code,
+// which is what the latency-bound small batches run.
+constexpr int kStagedRows = 512;
+template <int K, int ROWS, bool MULTI>
+struct Staged {
+  static constexpr int kBR = Tile<K, ROWS>::kRows;
+  static constexpr int kTiles = MULTI && kStagedRows / kBR > 1 ? kStagedRows / kBR : 1;
+  static constexpr int kRows = kTiles * kBR;
+};
+
+// gdn_verify, one block: work tiles [w0, w0 + nt) of key head h of request n. Work tile w is row
+// tile w % tiles of value head h * G + w / tiles (G = HV / H value heads share q and k).
+//   MULTI (several tiles, R <= kChunk, the launch sees to both): everything the block's tiles
+//     need (q, k, k . q, and each tile's v and gates) is staged once, behind one barrier; then
+//     the tiles run back to back, the next one prefetched into L2 while the current one
+//     computes. Per-tile staging and barriers were about a third of verify's instructions with
+//     several tiles per block (ncu, session 5).
+//   one tile: staged chunk by chunk (kChunk rows), the state held in registers across chunks.
+// Grid: (splits of the G * tiles work tiles, H, N).
+template <typename T, int K, int ROWS, bool MULTI>
 DS_DEVICE void verify_block(const RecurrentParams& p) {
-  constexpr int BR = Tile<K, ROWS>::kRows;
-  __shared__ __align__(16) RowSmem<K, BR, kChunk, true> sm;
+  using S = Staged<K, ROWS, MULTI>;
+  constexpr int BR = S::kBR;
+  __shared__ __align__(16) RowSmem<K, S::kRows, kChunk, true, S::kTiles> sm;
 
   const int tiles = (p.V + BR - 1) / BR;
   const int G = p.HV / p.H;
   const int h = blockIdx.y, n = blockIdx.z;
   const int w0 = blockIdx.x * p.tiles_per_block;
-  const int w_end = w0 + p.tiles_per_block < G * tiles ? w0 + p.tiles_per_block : G * tiles;
   const int64_t head_elems = int64_t(p.V) * K;
 
   launch_dependents();
@@ -233,22 +290,31 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
   grid_dependency_wait();
 
   const int64_t slot = p.slots[n];
-  const bool qk_once = p.R <= kChunk;  // one chunk: q, k staged once for every tile
-  for (int w = w0; w < w_end; ++w) {
-    const int hv = h * G + w / tiles, tile = w % tiles;
-    float s[ROWS][kPerLane];
-    int row[ROWS];
-    load_tile<K, ROWS>(p.state + (slot * p.HV + hv) * head_elems, tile, p.V, s, row);
-    if (w + 1 < w_end)
-      prefetch_tile<K, ROWS>(p.state + (slot * p.HV + h * G + (w + 1) / tiles) * head_elems,
-                             (w + 1) % tiles, p.V);
+  const auto head_of = [&](int w) {
+    return p.state + (slot * p.HV + h * G + w / tiles) * head_elems;
+  };
+  float s[ROWS][kPerLane];
+  int row[ROWS];
+  load_tile<K, ROWS>(head_of(w0), w0 % tiles, p.V, s, row);  // in flight while staging
+  if constexpr (MULTI) {
+    const int nt = w0 + p.tiles_per_block < G * tiles ? p.tiles_per_block : G * tiles - w0;
+    stage_span<T, K, BR, S::kRows, kChunk, S::kTiles, true>(p, sm, n, 0, p.R, h, w0, nt, tiles,
+                                                             true, w0 == 0);
+    __syncthreads();
+    for (int i = 0; i < nt; ++i) {
+      const int w = w0 + i;
+      if (i > 0) load_tile<K, ROWS>(head_of(w), w % tiles, p.V, s, row);
+      if (i + 1 < nt) prefetch_tile<K, ROWS>(head_of(w + 1), (w + 1) % tiles, p.V);
+      run_rows<T, K, ROWS>(p, sm, s, row, n, h * G + w / tiles, i, 0, p.R);
+    }
+  } else {
     for (int c0 = 0; c0 < p.R; c0 += kChunk) {
       const int rc = p.R - c0 < kChunk ? p.R - c0 : kChunk;
-      if (w > w0 || c0 > 0) __syncthreads();  // every thread is done with the staged rows
-      stage_rows<T, K, BR, kChunk, true>(p, sm, n, c0, rc, h, hv, tile, !qk_once || w == w0,
-                                         w == 0);
+      if (c0 > 0) __syncthreads();  // every thread is done with the previous chunk
+      stage_span<T, K, BR, S::kRows, kChunk, 1, true>(p, sm, n, c0, rc, h, w0, 1, tiles, true,
+                                                       w0 == 0);
       __syncthreads();
-      run_rows<T, K, ROWS>(p, sm, s, row, n, hv, c0, rc);
+      run_rows<T, K, ROWS>(p, sm, s, row, n, h * G + w0 / tiles, 0, c0, rc);
     }
   }
 }
@@ -260,22 +326,27 @@ template <typename T, int K, int ROWS>
 __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, 5) decode_kernel(const RecurrentParams p) {
   decode_block<T, K, ROWS>(p);
 }
-template <typename T, int K, int ROWS>
+template <typename T, int K, int ROWS, bool MULTI>
 __global__ void __launch_bounds__(kThreads) verify_kernel(const RecurrentParams p) {
-  verify_block<T, K, ROWS>(p);
+  verify_block<T, K, ROWS, MULTI>(p);
 }
 
-// Verify work tiles per block: a whole key head (G * tiles) or a whole value head (tiles) when
-// that still leaves kLoopBlocks blocks (about two waves on a 132-SM H200), else one.
-// DS_GDN_TILES=1 forces one (tuning).
-constexpr int64_t kLoopBlocks = 1024;
+// Verify work tiles per block: as many of a key head's G * tiles as Staged<>::kTiles allows,
+// halved until the grid has at least kMinBlocks blocks (measured on the H200 at Qwen3-Next
+// shapes, session 5: 512 blocks of 2 tiles beat 1,024 of 1 by 30% at B=8, 512 of 8 beat 1,024
+// of 4 by 10% at B=32). R > kChunk: one (the state of one tile stays in registers across
+// chunks). DS_GDN_TILES=t forces t, within those bounds (tuning).
+constexpr int64_t kMinBlocks = 512;
 
-inline int pick_tiles_per_block(int64_t n_h, int per_head, int tiles) {
-  if (const char* forced = std::getenv("DS_GDN_TILES"))
-    if (forced[0] == '1') return 1;
-  if (n_h >= kLoopBlocks) return per_head;
-  if (n_h * ceil_div(per_head, tiles) >= kLoopBlocks) return tiles;
-  return 1;
+inline int pick_tiles_per_block(int64_t n_h, int per_head, int max_tiles, int R) {
+  if (R > kChunk) return 1;
+  int t = per_head < max_tiles ? per_head : max_tiles;
+  if (const char* forced = std::getenv("DS_GDN_TILES")) {
+    const int f = std::atoi(forced);
+    if (f >= 1) return f < t ? f : t;
+  }
+  while (t > 1 && n_h * ceil_div(per_head, t) < kMinBlocks) t = (t + 1) / 2;
+  return t;
 }
 
 template <typename T, int K, int ROWS, bool VERIFY>
@@ -283,9 +354,12 @@ inline ds_error_t launch_rows(RecurrentParams p, ds_stream_t stream) {
   const int tiles = static_cast<int>(ceil_div(p.V, Tile<K, ROWS>::kRows));
   if constexpr (VERIFY) {
     const int per_head = (p.HV / p.H) * tiles;
-    p.tiles_per_block = pick_tiles_per_block(int64_t(p.N) * p.H, per_head, tiles);
+    p.tiles_per_block =
+        pick_tiles_per_block(int64_t(p.N) * p.H, per_head, Staged<K, ROWS, true>::kTiles, p.R);
     const dim3 grid(static_cast<unsigned>(ceil_div(per_head, p.tiles_per_block)), p.H, p.N);
-    return launch(verify_kernel<T, K, ROWS>, grid, kThreads, stream, Pdl::kOn, p);
+    return p.tiles_per_block > 1
+               ? launch(verify_kernel<T, K, ROWS, true>, grid, kThreads, stream, Pdl::kOn, p)
+               : launch(verify_kernel<T, K, ROWS, false>, grid, kThreads, stream, Pdl::kOn, p);
   } else {
     const int64_t blocks = int64_t(tiles) * p.HV * p.N;
     return launch(decode_kernel<T, K, ROWS>, blocks, kThreads, stream, Pdl::kOn, p);

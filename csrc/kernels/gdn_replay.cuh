@@ -92,14 +92,14 @@ __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) 
       if (i < rc * BR) sm.v[i / BR][i % BR] = vv[u];
     }
     if (gr >= 0) {
-      sm.decay[gr] = gate_decay(g);
-      sm.beta[gr] = beta;
+      sm.decay[gr][0] = gate_decay(g);
+      sm.beta[gr][0] = beta;
     }
     __syncthreads();
     for (int r = 0; r < rc; ++r) {
       float k[kPerLane];
       load_slice<K>(sm.k[r], lane, k);
-      const float decay = sm.decay[r], beta = sm.beta[r];
+      const float decay = sm.decay[r][0], beta = sm.beta[r][0];
 #pragma unroll
       for (int m = 0; m < ROWS; ++m)
         step<K, false>(s[m], k, k, sm.v[r][m * L::kGroups + grp], decay, beta, 0.f);
