@@ -91,19 +91,38 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const ConvParams p) {
   if (idx >= int64_t(p.N) * per_row) return;
   const int n = static_cast<int>(idx / per_row);
   const int c0 = static_cast<int>(idx % per_row) * kN;
-  const int64_t slot = p.slots[n];
+  // This kernel is launched with PDL too: the weights (written when the model loads, never by a
+  // kernel of a step) are read while the previous kernel finishes; slots, windows and x after.
   Channels<T, W> ch;
   ch.load(p, c0);
+  grid_dependency_wait();
+  // Inputs kAhead rows at a time, issued before the slot lookup and the window loads that wait
+  // on it: one memory round trip per pass instead of one per row.
+  constexpr int kAhead = VERIFY ? 4 : 1;
+  float xs[kAhead][kN];
+  const auto load_x = [&](int r0) {
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j)
+      if (r0 + j < p.R)
+        load_vec<T, kN>(static_cast<const T*>(p.x) + (int64_t(n) * p.R + r0 + j) * p.x_row_stride +
+                            c0, xs[j]);
+  };
+  load_x(0);
+  const int64_t slot = p.slots[n];
   float z[W - 1][kN];
 #pragma unroll
   for (int i = 0; i < W - 1; ++i) load_vec<T, kN>(window_row<T, W>(p, slot, i, c0), z[i]);
-  for (int r = 0; r < p.R; ++r) {
-    const int64_t xr = int64_t(n) * p.R + r;
-    float xn[kN], y[kN];
-    load_vec<T, kN>(static_cast<const T*>(p.x) + xr * p.x_row_stride + c0, xn);
-    ch.point(z, xn, y);
-    store_vec<T, kN>(static_cast<T*>(p.y) + xr * p.D + c0, y);
-    shift_in<T, W>(z, xn);
+  for (int r0 = 0; r0 < p.R; r0 += kAhead) {
+    if (r0 > 0) load_x(r0);
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) {
+      if (r0 + j < p.R) {
+        float y[kN];
+        ch.point(z, xs[j], y);
+        store_vec<T, kN>(static_cast<T*>(p.y) + (int64_t(n) * p.R + r0 + j) * p.D + c0, y);
+        shift_in<T, W>(z, xs[j]);
+      }
+    }
   }
   if constexpr (!VERIFY) {
 #pragma unroll
@@ -227,8 +246,8 @@ __global__ void __launch_bounds__(kThreads) prefill_windows_kernel(const ConvPar
 template <typename T, int W>
 inline ds_error_t launch_conv_step(const ConvParams& p, bool verify, ds_stream_t stream) {
   const int64_t blocks = ceil_div(int64_t(p.N) * (p.D / Vec<T>::kN), kThreads);
-  return verify ? launch(step_kernel<T, W, true>, blocks, kThreads, stream, Pdl::kOff, p)
-                : launch(step_kernel<T, W, false>, blocks, kThreads, stream, Pdl::kOff, p);
+  return verify ? launch(step_kernel<T, W, true>, blocks, kThreads, stream, Pdl::kOn, p)
+                : launch(step_kernel<T, W, false>, blocks, kThreads, stream, Pdl::kOn, p);
 }
 
 template <typename T, int W>
