@@ -9,6 +9,7 @@ fla-core `causal_conv1d_update`. Prints a table and writes JSON (--out).
 
     python benchmarks/bench_kernels.py --out results.json [--batches 1,8,64] [--rows 4]
     python benchmarks/bench_kernels.py --gdn-rows 1,2,4   # also each forced rows-per-thread
+    python benchmarks/bench_kernels.py --gdn-tiles 1,2,4,8   # also each forced verify tiles/block
 """
 
 from __future__ import annotations
@@ -177,17 +178,18 @@ def bench_snapshot(n_slots: int, layers: int = 48) -> dict:
             "d2h_GBps": n_slots * per_slot / d2h / 1e6, "h2d_GBps": n_slots * per_slot / h2d / 1e6}
 
 
-def forced_rows(n: int, rows: int, choices: str) -> dict:
-    """bench_gdn with DS_GDN_ROWS forced to each of `choices` (read at graph capture)."""
+def forced(n: int, rows: int, var: str, choices: str, label: str) -> dict:
+    """bench_gdn with the environment variable `var` (DS_GDN_ROWS or DS_GDN_TILES, read by the
+    extension at every launch, hence at graph capture) forced to each of `choices`."""
     res = {}
     for r in [int(x) for x in choices.split(",") if x]:
-        os.environ["DS_GDN_ROWS"] = str(r)
+        os.environ[var] = str(r)
         try:
             t = bench_gdn(n, rows)
         finally:
-            del os.environ["DS_GDN_ROWS"]
+            del os.environ[var]
         res[r] = {op: t[op] for op in ("gdn_decode", "gdn_verify", "gdn_replay")}
-        print(f"  rows/thread {r}: " + ", ".join(f"{op} {us:.2f}" for op, us in res[r].items()))
+        print(f"  {label} {r}: " + ", ".join(f"{op} {us:.2f}" for op, us in res[r].items()))
         torch.cuda.empty_cache()
     return res
 
@@ -200,6 +202,9 @@ def main() -> None:
                         help="fla-core fused_recurrent crashes at B >= 128 (TARGETS.md)")
     parser.add_argument("--gdn-rows", default="",
                         help="also time the GDN ops with DS_GDN_ROWS forced to each of these")
+    parser.add_argument("--gdn-tiles", default="",
+                        help="also time the GDN ops with DS_GDN_TILES (verify tiles per block) "
+                             "forced to each of these")
     parser.add_argument("--out", default="bench_kernels.json")
     args = parser.parse_args()
     assert extension_loaded(), "build deltaserve._C first (pip install -e .)"
@@ -236,7 +241,9 @@ def main() -> None:
         row["verify_plus_replay_over_decode"] = (row["gdn_verify"] + row["gdn_replay"]) / \
             row["gdn_decode"]
         print(f"  verify+replay / decode = {row['verify_plus_replay_over_decode']:.2f}")
-        row["forced_rows"] = forced_rows(n, args.rows, args.gdn_rows)
+        row["forced_rows"] = forced(n, args.rows, "DS_GDN_ROWS", args.gdn_rows, "rows/thread")
+        row["forced_tiles"] = forced(n, args.rows, "DS_GDN_TILES", args.gdn_tiles,
+                                     "verify tiles/block")
         results["batches"][n] = row
         torch.cuda.empty_cache()  # the pools of this batch size are unreachable now
         with open(args.out, "w") as f:
