@@ -201,6 +201,13 @@ def test_malformed_requests_are_400_and_unknown_routes_404(client):
     bad_json = client.post("/v1/completions", content=b'{"prompt": "Hi",',
                            headers={"content-type": "application/json"})
     assert "JSON" in assert_openai_error(bad_json, 400, None)["message"]
+    form = client.post("/v1/completions", data={"prompt": "Hi"})
+    assert "JSON object" in assert_openai_error(form, 400, None)["message"]
+    array = client.post("/v1/completions", json=["Hi"])
+    assert "not an array" in assert_openai_error(array, 400, None)["message"]
+    null_prompt = client.post("/v1/completions", json={"prompt": None})
+    message = assert_openai_error(null_prompt, 400, "prompt")["message"]
+    assert "got null" in message and "list[int]" in message
     missing = client.post("/v1/chat/completions", json={"max_tokens": 3})
     assert_openai_error(missing, 400, "messages")
     bad_role = client.post("/v1/chat/completions",

@@ -44,23 +44,52 @@ def error_response(status: int, message: str, type: str = "invalid_request_error
     return JSONResponse(body.model_dump(), status_code=status)
 
 
+def _json_kind(value: object) -> str:
+    """How a JSON value (or a body that was not JSON) reads in an error message."""
+    if value is None:
+        return "null"
+    if isinstance(value, (bytes, bytearray)):
+        return "a body that is not JSON"
+    for kind, name in ((bool, "a boolean"), (int, "a number"), (float, "a number"),
+                       (str, "a string"), (list, "an array"), (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+def _param_and_tag(error: dict) -> tuple[str | None, str | None]:
+    """(dotted param path, the first union type tag in its location, if any)."""
+    path = []
+    for part in (str(p) for p in error.get("loc", ()) if p != "body"):
+        if _TYPE_TAG.search(part):
+            return ".".join(path) or None, part
+        path.append(part)
+    return ".".join(path) or None, None
+
+
 def _validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
-    """(message, param) for the first pydantic error; the param path skips union type tags."""
+    """(message, param) for the first pydantic error; the param path skips union type tags.
+    A value no member of a union accepts is one message naming the members and what came."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"Malformed JSON in the request body: {first.get('msg')}", None
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    path = []
-    for part in loc:
-        if _TYPE_TAG.search(part):
-            break
-        path.append(part)
-    param = ".".join(path) or None
+    param, tag = _param_and_tag(first)
     if param is None and first.get("type") == "missing":
         return "the request body is missing or not a JSON object", None
+    if param is None and tuple(first.get("loc", ())) == ("body",):
+        return ("the request body must be a JSON object (Content-Type: application/json), not "
+                f"{_json_kind(first.get('input'))}"), None
+    if tag is not None:
+        tags = [t for p, t in map(_param_and_tag, errors) if p == param and t is not None]
+        if len(tags) == len(errors) and len(tags) > 1:
+            expected = ", ".join(dict.fromkeys(tags))
+            got = _json_kind(first.get("input"))
+            if isinstance(first.get("input"), list):
+                got += " whose items fit none of them"
+            return f"{param}: expected one of {expected}; got {got}", param
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return f"{param or 'body'}: {first.get('msg')}{more}", param
 
