@@ -43,15 +43,14 @@ struct RecurrentParams {
 // Stage rows c0 .. c0+rc-1 of request n for key head h and its work tiles w0 .. w0+nt-1 into
 // shared memory (work tile w: row tile w % tiles of value head h * G + w / tiles, G = HV / H);
 // verify also writes the stash (k by the k_writer block of each key head, g/beta by the block
-// holding row tile 0 of each value head, v per row). q and k only `with_qk`. One warp takes
-// both q and k of a row (row r: warp r % kWarps), so it also forms k . q. The q/k loads and the
-// first pass of v and gate loads are all issued before any of them is used: one memory round
-// trip per staging instead of one per q/k vector and per v pass (verify with R = 4 spent most of
-// its time waiting on those in turn, with the memory pipe idle).
+// holding row tile 0 of each value head, v per row). One warp takes both q and k of a row (row
+// r: warp r % kWarps), so it also forms k . q. The q/k loads and the first pass of v and gate
+// loads are all issued before any of them is used: one memory round trip per staging instead of
+// one per q/k vector and per v pass (verify with R = 4 spent most of its time waiting on those
+// in turn, with the memory pipe idle).
 template <typename T, int K, int BR, int VROWS, int CH, int TILES, bool VERIFY>
 DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, TILES>& sm,
-                          int n, int c0, int rc, int h, int w0, int nt, int tiles, bool with_qk,
-                          bool k_writer) {
+                          int n, int c0, int rc, int h, int w0, int nt, int tiles, bool k_writer) {
   constexpr int P = Layout<K>::kNormPieces;
   constexpr int kRowsPerWarp = (CH + kWarps - 1) / kWarps;
   const int tid = threadIdx.x;
@@ -69,7 +68,7 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int r = warp + i * kWarps;
-    if (with_qk && r < rc) {
+    if (r < rc) {
       const T* q = static_cast<const T*>(p.q) + n * p.q_stride_n + (c0 + r) * p.q_stride_r;
       const T* k = static_cast<const T*>(p.k) + n * p.k_stride_n + (c0 + r) * p.k_stride_r;
       warp_load_vector<K, T>(q + h * K, x[i][0]);
@@ -123,7 +122,7 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int r = warp + i * kWarps;
-    if (with_qk && r < rc) {
+    if (r < rc) {
       warp_l2_normalize<K>(x[i][0], p.scale);
       warp_l2_normalize<K>(x[i][1], 1.f);
       const float kq = warp_dot<K>(x[i][1], x[i][0]);
@@ -243,7 +242,7 @@ DS_DEVICE void decode_block(const RecurrentParams& p) {
   int row[ROWS];
   load_tile<K, ROWS>(head, tile, p.V, s, row);
   stage_span<T, K, BR, BR, 1, 1, false>(p, sm, n, 0, 1, h, (hv - h * G) * tiles + tile, 1, tiles,
-                                        true, false);
+                                        false);
   __syncthreads();
   run_rows<T, K, ROWS>(p, sm, s, row, n, hv, 0, 0, 1);
 #pragma unroll
@@ -299,7 +298,7 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
   if constexpr (MULTI) {
     const int nt = w0 + p.tiles_per_block < G * tiles ? p.tiles_per_block : G * tiles - w0;
     stage_span<T, K, BR, S::kRows, kChunk, S::kTiles, true>(p, sm, n, 0, p.R, h, w0, nt, tiles,
-                                                             true, w0 == 0);
+                                                             w0 == 0);
     __syncthreads();
     for (int i = 0; i < nt; ++i) {
       const int w = w0 + i;
@@ -311,7 +310,7 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
     for (int c0 = 0; c0 < p.R; c0 += kChunk) {
       const int rc = p.R - c0 < kChunk ? p.R - c0 : kChunk;
       if (c0 > 0) __syncthreads();  // every thread is done with the previous chunk
-      stage_span<T, K, BR, S::kRows, kChunk, 1, true>(p, sm, n, c0, rc, h, w0, 1, tiles, true,
+      stage_span<T, K, BR, S::kRows, kChunk, 1, true>(p, sm, n, c0, rc, h, w0, 1, tiles,
                                                        w0 == 0);
       __syncthreads();
       run_rows<T, K, ROWS>(p, sm, s, row, n, h * G + w0 / tiles, 0, c0, rc);
