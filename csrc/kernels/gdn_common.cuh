@@ -179,6 +179,13 @@ DS_DEVICE float step(float (&s)[kPerLane], const float (&k)[kPerLane],
   return WITH_OUTPUT ? ffma(delta, kq, sq) : 0.f;
 }
 
+// The state update of step() alone (replay): the same instructions, so the same bits.
+template <int K>
+DS_DEVICE void update(float (&s)[kPerLane], const float (&k)[kPerLane], float v, float decay,
+                      float beta) {
+  step<K, false>(s, k, k, v, decay, beta, 0.f);
+}
+
 // Rows per thread for a launch over `heads` (request, value head[, layer]) triples of V rows.
 // Measured on the H200 (benchmarks/RESULTS.md, Qwen3-Next shapes, loads-first staging):
 // decode and verify are best with 1 at B=1 (more, smaller blocks spread the state over all

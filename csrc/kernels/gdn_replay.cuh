@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) 
       const float decay = sm.decay[r][0], beta = sm.beta[r][0];
 #pragma unroll
       for (int m = 0; m < ROWS; ++m)
-        step<K, false>(s[m], k, k, sm.v[r][m * L::kGroups + grp], decay, beta, 0.f);
+        update<K>(s[m], k, sm.v[r][m * L::kGroups + grp], decay, beta);
     }
   }
 #pragma unroll
