@@ -202,9 +202,18 @@ def test_malformed_requests_are_400_and_unknown_routes_404(client):
                            headers={"content-type": "application/json"})
     assert "JSON" in assert_openai_error(bad_json, 400, None)["message"]
     form = client.post("/v1/completions", data={"prompt": "Hi"})
-    assert "JSON object" in assert_openai_error(form, 400, None)["message"]
+    assert "application/x-www-form-urlencoded" in assert_openai_error(form, 400, None)["message"]
+    as_text = client.post("/v1/completions", content=b'{"prompt": "Hi"}',
+                          headers={"content-type": "text/plain"})
+    assert "not text/plain" in assert_openai_error(as_text, 400, None)["message"]
     array = client.post("/v1/completions", json=["Hi"])
     assert "not an array" in assert_openai_error(array, 400, None)["message"]
+    for field, value in [("max_tokens", True), ("max_tokens", "3"), ("top_k", True),
+                         ("temperature", "0.5"), ("seed", 2**64)]:
+        r = client.post("/v1/completions", json={"prompt": "Hi", field: value})
+        assert_openai_error(r, 400, field)
+    booleans = client.post("/v1/completions", json={"prompt": [True, False]})
+    assert_openai_error(booleans, 400, "prompt")
     null_prompt = client.post("/v1/completions", json={"prompt": None})
     message = assert_openai_error(null_prompt, 400, "prompt")["message"]
     assert "got null" in message and "list[int]" in message
@@ -312,6 +321,8 @@ def test_models_and_health(client, served):
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == [served.model]
     assert client.get("/health").json() == {"status": "ok"}
+    head = client.head("/health")  # load balancers and probes often send HEAD
+    assert head.status_code == 200 and head.content == b""
 
 
 def test_a_client_that_gives_up_on_a_non_streamed_request_gets_it_aborted(served):

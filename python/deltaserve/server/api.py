@@ -67,9 +67,11 @@ def _param_and_tag(error: dict) -> tuple[str | None, str | None]:
     return ".".join(path) or None, None
 
 
-def _validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_error(exc: RequestValidationError,
+                      content_type: str = "application/json") -> tuple[str, str | None]:
     """(message, param) for the first pydantic error; the param path skips union type tags.
-    A value no member of a union accepts is one message naming the members and what came."""
+    A value no member of a union accepts is one message naming the members and what came; a
+    body that is not a JSON object names its Content-Type when that is not JSON."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -80,7 +82,10 @@ def _validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
     if param is None and first.get("type") == "missing":
         return "the request body is missing or not a JSON object", None
     if param is None and tuple(first.get("loc", ())) == ("body",):
-        return ("the request body must be a JSON object (Content-Type: application/json), not "
+        if content_type.split(";")[0].strip().lower() != "application/json":
+            return ("the request body must be a JSON object sent as Content-Type: "
+                    f"application/json, not {content_type or 'no Content-Type'}"), None
+        return ("the request body must be a JSON object, not "
                 f"{_json_kind(first.get('input'))}"), None
     if tag is not None:
         tags = [t for p, t in map(_param_and_tag, errors) if p == param and t is not None]
@@ -136,7 +141,7 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_error(exc)
+        message, param = _validation_error(exc, request.headers.get("content-type", ""))
         logger.info("%s %s -> 400: %s", request.method, request.url.path, message)
         return counted(error_response(400, message, param=param))
 
@@ -180,7 +185,7 @@ def build_app(engine: AsyncEngine) -> FastAPI:
         return ModelList(data=[ModelCard(id=engine.model_name,
                                          max_model_len=engine.max_model_len)])
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not engine.alive:
             why = engine.failure or "the engine thread is not running"

@@ -18,6 +18,8 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     StrictBool,
+    StrictFloat,
+    StrictInt,
     model_serializer,
 )
 
@@ -56,27 +58,29 @@ class StreamOptions(BaseModel):
 
 
 class _GenerationRequest(BaseModel):
-    """Fields shared by completions and chat completions. None means "the default"."""
+    """Fields shared by completions and chat completions. None means "the default". Numbers
+    are strict: a JSON string ("3") or boolean (true) where a number belongs is a 400, as in
+    OpenAI's API, never silently 3 or 1; an integer is accepted where a float belongs."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False  # JSON true/false only: "yes" or 1 is a 400, not True
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    logit_bias: dict[str, float] | None = None
+    n: StrictInt | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     user: str | None = None
 
     @property
@@ -121,10 +125,10 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. `prompt`: text, token ids, or a one-element list of text."""
 
-    prompt: str | list[int] | list[str]
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
+    prompt: str | list[StrictInt] | list[str]
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
@@ -174,9 +178,9 @@ class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
