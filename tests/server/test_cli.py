@@ -108,6 +108,16 @@ def test_an_unknown_log_level_is_a_usage_error_and_case_does_not_matter(capsys):
     assert build_parser().parse_args(["--log-level", "debug", "generate", "x"]).log_level == "DEBUG"
 
 
+@pytest.mark.parametrize("argv,level", [
+    (["generate", "x", "--log-level", "debug"], "DEBUG"),  # after the command too
+    (["--log-level", "error", "serve"], "ERROR"),           # kept when given only before it
+    (["--log-level", "error", "serve", "--log-level", "warning"], "WARNING"),
+    (["serve"], "INFO"),
+])
+def test_the_log_level_is_accepted_before_or_after_the_command(argv, level):
+    assert build_parser().parse_args(argv).log_level == level
+
+
 @pytest.mark.parametrize("flag,value,message", [("--max-tokens", "0", "--max-tokens must be >= 1"),
                                                 ("--top-p", "0", "--top-p must be in"),
                                                 ("--temperature", "-1", "--temperature must")])

@@ -43,7 +43,7 @@ _HELP = {
     "max_prompt_snapshots": "GDN snapshots per prompt taken at prefill chunk ends, kept evenly "
                             "spread (0: only the prompt's last grid boundary)",
     "speculative_algorithm": "mtp or ngram",
-    "speculative_num_steps": "drafts per verify step, 1..8 (default: 3 with "
+    "speculative_num_steps": "drafts per verify step, 1..8 (0 or unset: 3; needs "
                              "--speculative-algorithm)",
     "cuda_graphs": "run decode without CUDA graphs",
     "log_every": "log a step line every N steps (0: off)",
@@ -111,7 +111,7 @@ SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
-                        help="logging level, before the command (default INFO)")
+                        help="logging level (default INFO); also accepted after the command")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="print completions of the prompts (or stdin lines)")
@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true",
                      help="wrap each prompt as a user message in the chat template")
     add_engine_flags(gen)
+    _add_log_level(gen)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1",
@@ -134,9 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8000,
                        help="TCP port, 0..65535 (0: any free port; default 8000)")
     serve.add_argument("--served-model-name", default=None,
-                       help="model name in the API (default: the --model path)")
+                       help="model name in the API (default: the --model path, or "
+                            "deltaserve-default for the embedded model)")
     add_engine_flags(serve)
+    _add_log_level(serve)
     return parser
+
+
+def _add_log_level(command: argparse.ArgumentParser) -> None:
+    # SUPPRESS: when given only before the command, the subparser leaves that value alone
+    command.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper,
+                         choices=LOG_LEVELS, help="logging level (default INFO)")
 
 
 def _make_engine(args: argparse.Namespace):
