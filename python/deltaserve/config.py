@@ -71,6 +71,8 @@ class EngineConfig:
             raise ValueError("kv_memory_gb must be > 0")
         if self.log_every < 0:
             raise ValueError("log_every must be >= 0 (0: no step log)")
+        if not -2**63 <= self.seed < 2**64:
+            raise ValueError("seed must be in [-2**63, 2**64) (torch.manual_seed's range)")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         if self.max_running_reqs < 1:

@@ -88,6 +88,9 @@ def test_every_config_field_has_a_flag():
 def test_a_bad_flag_value_exits_with_a_clear_message():
     with pytest.raises(ValueError, match="dtype"):
         parse("--dtype", "int3")
+    with pytest.raises(ValueError, match="seed must be in"):  # was torch's "Overflow ..."
+        parse("--seed", str(2**64))
+    assert parse("--seed", str(2**64 - 1)).seed == 2**64 - 1
 
 
 @pytest.mark.parametrize("flag", ["--host-snapshot-slots", "--max-prompt-snapshots",
