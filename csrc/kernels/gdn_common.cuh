@@ -78,6 +78,28 @@ DS_DEVICE void store_slice(float* __restrict__ row, int lane, const float (&s)[k
         make_float4(s[j * 4 + 0], s[j * 4 + 1], s[j * 4 + 2], s[j * 4 + 3]);
 }
 
+// This thread's state rows of row tile `tile` of `head` (row[m] = -1: past V, computes on row
+// 0 and stores nothing).
+template <int K, int ROWS>
+DS_DEVICE void load_tile(const float* head, int tile, int V, float (&s)[ROWS][kPerLane],
+                         int (&row)[ROWS]) {
+  using L = Layout<K>;
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m) {
+    const int raw = tile * Tile<K, ROWS>::kRows + m * L::kGroups + L::group();
+    row[m] = raw < V ? raw : -1;
+    load_slice<K>(head + int64_t(raw < V ? raw : 0) * K, L::group_lane(), s[m]);
+  }
+}
+
+// Write back this thread's state rows that load_tile found inside V.
+template <int K, int ROWS>
+DS_DEVICE void store_tile(float* head, const float (&s)[ROWS][kPerLane], const int (&row)[ROWS]) {
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m)
+    if (row[m] >= 0) store_slice<K>(head + int64_t(row[m]) * K, Layout<K>::group_lane(), s[m]);
+}
+
 // Dot product of two lane-held K-vectors, summed over the group (every lane gets the same bits).
 template <int K>
 DS_DEVICE float dot(const float (&x)[kPerLane], const float (&y)[kPerLane]) {

@@ -60,9 +60,6 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   // side (the same warp doing both cost decode 18% at B=64, session 5).
   const int rt = kThreads - 1 - tid;
   const int G = p.HV / p.H;
-  // One tile (decode, one-tile verify): its value head and row tile once, no divisions per slot.
-  constexpr bool kOne = TILES == 1;
-  const int hv0 = h * G + w0 / tiles, row0 = (w0 % tiles) * BR;
 
   float x[kRowsPerWarp][2][P][4];  // [.][0]: q, [.][1]: k
 #pragma unroll
@@ -92,8 +89,8 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
 #pragma unroll
   for (int u = 0; u < kSlots; ++u) {
     const int c = slot_col(u), w = w0 + c / BR;
-    v_hv[u] = kOne ? hv0 : h * G + w / tiles;
-    v_row[u] = kOne ? row0 + c : (w % tiles) * BR + c % BR;
+    v_hv[u] = h * G + w / tiles;
+    v_row[u] = (w % tiles) * BR + c % BR;
     if (c >= span || v_row[u] >= p.V) v_row[u] = -1;
   }
   const auto load_v = [&](int r0, float (&v)[kSlots]) {
@@ -111,7 +108,7 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   const int ng = rc * nt;
   float ga = 0.f, gb = 0.f, a_log = 0.f, dt_bias = 0.f;
   const auto load_gate = [&](int e) {
-    const int r = kOne ? e : e / nt, hv = kOne ? hv0 : h * G + (w0 + e % nt) / tiles;
+    const int r = e / nt, hv = h * G + (w0 + e % nt) / tiles;
     a_log = p.A_log[hv];
     dt_bias = p.dt_bias[hv];
     ga = to_float(static_cast<const T*>(p.a)[n * p.a_stride_n + (c0 + r) * p.a_stride_r + hv]);
@@ -145,8 +142,7 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   }
   for (int e = rt; e < ng; e += kThreads) {
     if (e > rt) load_gate(e);
-    const int r = kOne ? e : e / nt, i = kOne ? 0 : e % nt, w = w0 + i;
-    const int hv = kOne ? hv0 : h * G + w / tiles;
+    const int r = e / nt, i = e % nt, w = w0 + i, hv = h * G + w / tiles;
     const float g = gate_g(ga, a_log, dt_bias);
     const float beta = gate_beta(gb);
     sm.decay[r][i] = gate_decay(g);
@@ -168,20 +164,6 @@ DS_DEVICE void prefetch_tile(const float* head, int tile, int V) {
   for (int m = 0; m < ROWS; ++m) {
     const int raw = tile * Tile<K, ROWS>::kRows + m * L::kGroups + L::group();
     if (raw < V && lane < K / 32) prefetch_l2(head + int64_t(raw) * K + lane * 32);
-  }
-}
-
-// This thread's state rows of row tile `tile` of `head` (row[m] = -1: past V, computes on row
-// 0 and stores nothing).
-template <int K, int ROWS>
-DS_DEVICE void load_tile(const float* head, int tile, int V, float (&s)[ROWS][kPerLane],
-                         int (&row)[ROWS]) {
-  using L = Layout<K>;
-#pragma unroll
-  for (int m = 0; m < ROWS; ++m) {
-    const int raw = tile * Tile<K, ROWS>::kRows + m * L::kGroups + L::group();
-    row[m] = raw < V ? raw : -1;
-    load_slice<K>(head + int64_t(raw < V ? raw : 0) * K, L::group_lane(), s[m]);
   }
 }
 
@@ -245,9 +227,7 @@ DS_DEVICE void decode_block(const RecurrentParams& p) {
                                         false);
   __syncthreads();
   run_rows<T, K, ROWS>(p, sm, s, row, n, hv, 0, 0, 1);
-#pragma unroll
-  for (int m = 0; m < ROWS; ++m)
-    if (row[m] >= 0) store_slice<K>(head + int64_t(row[m]) * K, Layout<K>::group_lane(), s[m]);
+  store_tile<K, ROWS>(head, s, row);
 }
 
 // A verify block with several tiles stages v and the gates of all of them at once: at most

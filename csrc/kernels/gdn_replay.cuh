@@ -46,12 +46,7 @@ __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) 
   float* head = p.state + layer * p.state_layer_stride + (slot * p.HV + hv) * int64_t(p.V) * K;
   float s[ROWS][kPerLane];
   int row[ROWS];
-#pragma unroll
-  for (int m = 0; m < ROWS; ++m) {
-    const int raw = tile * BR + m * L::kGroups + grp;
-    row[m] = raw < p.V ? raw : -1;
-    load_slice<K>(head + int64_t(raw < p.V ? raw : 0) * K, lane, s[m]);
-  }
+  load_tile<K, ROWS>(head, tile, p.V, s, row);
 
   const int64_t first = (int64_t(layer) * p.N_max + n) * p.R_max;  // stash row of row 0
   for (int c0 = 0; c0 < rows; c0 += kChunk) {
@@ -105,9 +100,7 @@ __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) 
         update<K>(s[m], k, sm.v[r][m * L::kGroups + grp], decay, beta);
     }
   }
-#pragma unroll
-  for (int m = 0; m < ROWS; ++m)
-    if (row[m] >= 0) store_slice<K>(head + int64_t(row[m]) * K, lane, s[m]);
+  store_tile<K, ROWS>(head, s, row);
 }
 
 template <int K>
