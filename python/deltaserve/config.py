@@ -7,6 +7,11 @@ from dataclasses import dataclass
 DEFAULT_SPECULATIVE_STEPS = 3  # drafts per verify step when only the algorithm is given
 
 
+def valid_seed(seed: object) -> bool:
+    """An integer torch.manual_seed / torch.Generator.manual_seed take: [-2**63, 2**64)."""
+    return isinstance(seed, int) and not isinstance(seed, bool) and -2**63 <= seed < 2**64
+
+
 @dataclass
 class EngineConfig:
     """Everything that sizes or switches the engine.
@@ -71,7 +76,7 @@ class EngineConfig:
             raise ValueError("kv_memory_gb must be > 0")
         if self.log_every < 0:
             raise ValueError("log_every must be >= 0 (0: no step log)")
-        if not -2**63 <= self.seed < 2**64:
+        if not valid_seed(self.seed):
             raise ValueError("seed must be in [-2**63, 2**64) (torch.manual_seed's range)")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")

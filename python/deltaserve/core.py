@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from deltaserve.config import valid_seed
+
 if TYPE_CHECKING:
     import torch
 
@@ -77,8 +79,7 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
-            (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
-                                   and -2**63 <= self.seed < 2**64),
+            (self.seed is None or valid_seed(self.seed),
              "seed must be an integer in [-2**63, 2**64) (torch.Generator's range)"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

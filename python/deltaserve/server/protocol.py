@@ -95,13 +95,16 @@ class _GenerationRequest(BaseModel):
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported by deltaserve", "logit_bias")
 
+    def stop_list(self) -> list[str]:
+        """`stop` as a list (OpenAI takes one string or a list)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
     def max_tokens_param(self) -> tuple[int | None, str]:
         """The requested output budget and the field name it came from."""
         return self.max_tokens, "max_tokens"
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """SamplingParams with OpenAI defaults for unset fields; raises InvalidRequest."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         values = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "presence_penalty": self.presence_penalty,
@@ -109,7 +112,7 @@ class _GenerationRequest(BaseModel):
             "repetition_penalty": self.repetition_penalty,
         }
         params = SamplingParams(
-            max_tokens=max_tokens, seed=self.seed, stop=stop,
+            max_tokens=max_tokens, seed=self.seed, stop=self.stop_list(),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             **{k: v for k, v in values.items() if v is not None})
         try:

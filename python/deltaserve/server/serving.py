@@ -185,8 +185,7 @@ class OpenAIServing:
         InvalidRequest (400/404) before anything runs, ClientGone when the client leaves."""
         body.check_supported()
         self._check_model(body)
-        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        for stop in stops:
+        for stop in body.stop_list():
             self._check_encodable(stop, "stop")
         rid = new_id(id_prefix)
         # tokenizing a long prompt must not stall the event loop (other clients, /health)
