@@ -100,6 +100,18 @@ DS_DEVICE void store_tile(float* head, const float (&s)[ROWS][kPerLane], const i
     if (row[m] >= 0) store_slice<K>(head + int64_t(row[m]) * K, Layout<K>::group_lane(), s[m]);
 }
 
+// Prefetch into L2 the state rows this thread will load for row tile `tile` of `head`.
+template <int K, int ROWS>
+DS_DEVICE void prefetch_tile(const float* head, int tile, int V) {
+  using L = Layout<K>;
+  const int lane = L::group_lane();
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m) {
+    const int raw = tile * Tile<K, ROWS>::kRows + m * L::kGroups + L::group();
+    if (raw < V && lane < K / 32) prefetch_l2(head + int64_t(raw) * K + lane * 32);
+  }
+}
+
 // Dot product of two lane-held K-vectors, summed over the group (every lane gets the same bits).
 template <int K>
 DS_DEVICE float dot(const float (&x)[kPerLane], const float (&y)[kPerLane]) {
@@ -206,6 +218,27 @@ template <int K>
 DS_DEVICE void update(float (&s)[kPerLane], const float (&k)[kPerLane], float v, float decay,
                       float beta) {
   step<K, false>(s, k, k, v, decay, beta, 0.f);
+}
+
+// Work tiles per block for a launch over `heads` heads of per_head row tiles each (verify and
+// decode: key heads of G * tiles; replay: value heads of tiles): at most `most` (verify: all
+// that Staged<>::kTiles allows; decode and replay: 2), halved until the grid has at least
+// kMinBlocks blocks. Measured on the H200 at Qwen3-Next shapes: verify (session 5) 512 blocks of
+// 2 tiles beat 1,024 of 1 by 30% at B=8, 512 of 8 beat 1,024 of 4 by 10% at B=32; decode
+// (session 6) 2 tiles with the second prefetched beat 1 by 7-9% from B=32 on, and 4 or 8 lost
+// to 2. R > kChunk: one (the state of one tile stays in registers across chunks).
+// DS_GDN_TILES=t forces t, up to `cap` (the tiles a block's shared memory stages; tuning).
+constexpr int64_t kMinBlocks = 512;
+
+inline int pick_tiles_per_block(int64_t heads, int per_head, int most, int cap, int R) {
+  if (R > kChunk) return 1;
+  if (const char* forced = std::getenv("DS_GDN_TILES")) {
+    const int f = std::atoi(forced), t = per_head < cap ? per_head : cap;
+    if (f >= 1) return f < t ? f : t;
+  }
+  int t = per_head < most ? per_head : most;
+  while (t > 1 && heads * ceil_div(per_head, t) < kMinBlocks) t = (t + 1) / 2;
+  return t;
 }
 
 // Rows per thread for a launch over `heads` (request, value head[, layer]) triples of V rows.

@@ -4,8 +4,8 @@
 // programmatic dependent launch (compat.cuh): a block prefetches its first state tile into L2
 // before the previous kernel in the stream (causal_conv1d_update/verify in a model step) ends.
 //
-// A decode block owns Tile<K, ROWS>::kRows value rows of one value head of one request; a
-// verify block owns one or more such tiles of one key head, in turn. Each tile's state loads
+// A block owns one or more row tiles (Tile<K, ROWS>::kRows value rows of one value head) of one
+// key head of one request, in turn: decode up to 2, verify up to Staged<>::kTiles. Each tile's state loads
 // are issued first, then the per-row inputs are staged for the whole block (q and k of a row
 // L2-normalised by one warp, with k . q; gates by one thread; v) in shared memory while those
 // loads are in flight. Verify keeps the evolving state in registers across its R rows and never
@@ -36,7 +36,7 @@ struct RecurrentParams {
   int64_t a_stride_n, a_stride_r, b_stride_n, b_stride_r;  // all in elements
   int N, R, R_max, H, HV, V;
   int64_t S;              // slots in the pool (state.size(0))
-  int tiles_per_block;    // verify: work tiles (row tiles of a value head) per block
+  int tiles_per_block;    // work tiles (row tiles of a value head) per block
   float scale;            // applied to q after its L2 norm
 };
 
@@ -155,18 +155,6 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   }
 }
 
-// Prefetch into L2 the state rows this thread will load for row tile `tile` of `head`.
-template <int K, int ROWS>
-DS_DEVICE void prefetch_tile(const float* head, int tile, int V) {
-  using L = Layout<K>;
-  const int lane = L::group_lane();
-#pragma unroll
-  for (int m = 0; m < ROWS; ++m) {
-    const int raw = tile * Tile<K, ROWS>::kRows + m * L::kGroups + L::group();
-    if (raw < V && lane < K / 32) prefetch_l2(head + int64_t(raw) * K + lane * 32);
-  }
-}
-
 // The staged rows c0 .. c0+rc-1 through this thread's state rows of the span's tile slot i, one
 // output per row.
 template <typename T, int K, int ROWS, int VROWS, int CH, int TILES>
@@ -199,37 +187,6 @@ DS_DEVICE int64_t guess_slot(const RecurrentParams& p, int n) {
   return guess < 0 ? 0 : (guess >= p.S ? p.S - 1 : guess);
 }
 
-// gdn_decode, one block: Tile<K, ROWS>::kRows value rows of head hv of request n; 1-D grid, row
-// tiles fastest.
-template <typename T, int K, int ROWS>
-DS_DEVICE void decode_block(const RecurrentParams& p) {
-  constexpr int BR = Tile<K, ROWS>::kRows;
-  __shared__ __align__(16) RowSmem<K, BR, 1, true> sm;
-
-  const int tiles = static_cast<int>(ceil_div(p.V, BR));
-  const int64_t blk = blockIdx.x;
-  const int tile = static_cast<int>(blk % tiles);
-  const int hv = static_cast<int>((blk / tiles) % p.HV);
-  const int n = static_cast<int>(blk / (int64_t(tiles) * p.HV));
-  const int G = p.HV / p.H, h = hv / G;
-  const int64_t head_elems = int64_t(p.V) * K;
-
-  launch_dependents();  // the next kernel may start its prologue now
-  prefetch_tile<K, ROWS>(p.state + (guess_slot(p, n) * p.HV + hv) * head_elems, tile, p.V);
-  grid_dependency_wait();
-
-  // State rows first: their loads are in flight while the row inputs are staged.
-  float* head = p.state + (int64_t(p.slots[n]) * p.HV + hv) * head_elems;
-  float s[ROWS][kPerLane];
-  int row[ROWS];
-  load_tile<K, ROWS>(head, tile, p.V, s, row);
-  stage_span<T, K, BR, BR, 1, 1, false>(p, sm, n, 0, 1, h, (hv - h * G) * tiles + tile, 1, tiles,
-                                        false);
-  __syncthreads();
-  run_rows<T, K, ROWS>(p, sm, s, row, n, hv, 0, 0, 1);
-  store_tile<K, ROWS>(head, s, row);
-}
-
 // A verify block with several tiles stages v and the gates of all of them at once: at most
 // kStagedRows value rows (16 KB of v for 8 rows), so it spans at most Staged<>::kTiles tiles.
 // A one-tile block (MULTI false) stages only its own rows: less shared memory and less code,
@@ -241,6 +198,53 @@ struct Staged {
   static constexpr int kTiles = MULTI && kStagedRows / kBR > 1 ? kStagedRows / kBR : 1;
   static constexpr int kRows = kTiles * kBR;
 };
+
+// gdn_decode, one block: work tiles [w0, w0 + nt) of key head h of request n (work tile w: row
+// tile w % tiles of value head h * G + w / tiles), in turn. q, k, k . q and every tile's v and
+// gates are staged once; then each tile is loaded, stepped and stored, the next one prefetched
+// into L2 while the current one computes. Two tiles per block with that prefetch beat one tile
+// per block by 7-9% from B=32 on (session 6, RESULTS.md); prefetching further ahead, or the
+// second tile already before the grid-dependency wait, was slower.
+// 1-D grid: (splits of the G * tiles work tiles, H, N), splits fastest.
+template <typename T, int K, int ROWS, bool MULTI>
+DS_DEVICE void decode_block(const RecurrentParams& p) {
+  using S = Staged<K, ROWS, MULTI>;
+  constexpr int BR = S::kBR;
+  __shared__ __align__(16) RowSmem<K, S::kRows, 1, true, S::kTiles> sm;
+
+  const int tiles = static_cast<int>(ceil_div(p.V, BR));
+  const int G = p.HV / p.H, per_head = G * tiles;
+  const int splits = static_cast<int>(ceil_div(per_head, p.tiles_per_block));
+  const int64_t blk = blockIdx.x;
+  const int w0 = static_cast<int>(blk % splits) * p.tiles_per_block;
+  const int h = static_cast<int>((blk / splits) % p.H);
+  const int n = static_cast<int>(blk / (int64_t(splits) * p.H));
+  const int nt = MULTI ? (w0 + p.tiles_per_block < per_head ? p.tiles_per_block : per_head - w0)
+                       : 1;
+  const int64_t head_elems = int64_t(p.V) * K;
+  const auto head_of = [&](int64_t slot, int w) {
+    return p.state + (slot * p.HV + h * G + w / tiles) * head_elems;
+  };
+
+  launch_dependents();  // the next kernel may start its prologue now
+  prefetch_tile<K, ROWS>(head_of(guess_slot(p, n), w0), w0 % tiles, p.V);
+  grid_dependency_wait();
+
+  // State rows first: their loads are in flight while the row inputs are staged.
+  const int64_t slot = p.slots[n];
+  float s[ROWS][kPerLane];
+  int row[ROWS];
+  load_tile<K, ROWS>(head_of(slot, w0), w0 % tiles, p.V, s, row);
+  stage_span<T, K, BR, S::kRows, 1, S::kTiles, false>(p, sm, n, 0, 1, h, w0, nt, tiles, false);
+  __syncthreads();
+  for (int i = 0; i < nt; ++i) {
+    const int w = w0 + i;
+    if (i > 0) load_tile<K, ROWS>(head_of(slot, w), w % tiles, p.V, s, row);
+    if (i + 1 < nt) prefetch_tile<K, ROWS>(head_of(slot, w + 1), (w + 1) % tiles, p.V);
+    run_rows<T, K, ROWS>(p, sm, s, row, n, h * G + w / tiles, i, 0, 1);
+    store_tile<K, ROWS>(head_of(slot, w), s, row);
+  }
+}
 
 // gdn_verify, one block: work tiles [w0, w0 + nt) of key head h of request n. Work tile w is row
 // tile w % tiles of value head h * G + w / tiles (G = HV / H value heads share q and k).
@@ -301,31 +305,13 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
 // Register caps, measured on the H200 (RESULTS.md): decode gained 9% at B >= 64 from a cap of 5
 // blocks per SM over the 4 that ptxas picked on its own; verify, with R rows of inputs in
 // flight, is best left to ptxas (a cap of 4 or 5 blocks cost 0-12% at K=128, spills at K=32).
-template <typename T, int K, int ROWS>
+template <typename T, int K, int ROWS, bool MULTI>
 __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, 5) decode_kernel(const RecurrentParams p) {
-  decode_block<T, K, ROWS>(p);
+  decode_block<T, K, ROWS, MULTI>(p);
 }
 template <typename T, int K, int ROWS, bool MULTI>
 __global__ void __launch_bounds__(kThreads) verify_kernel(const RecurrentParams p) {
   verify_block<T, K, ROWS, MULTI>(p);
-}
-
-// Verify work tiles per block: as many of a key head's G * tiles as Staged<>::kTiles allows,
-// halved until the grid has at least kMinBlocks blocks (measured on the H200 at Qwen3-Next
-// shapes, session 5: 512 blocks of 2 tiles beat 1,024 of 1 by 30% at B=8, 512 of 8 beat 1,024
-// of 4 by 10% at B=32). R > kChunk: one (the state of one tile stays in registers across
-// chunks). DS_GDN_TILES=t forces t, within those bounds (tuning).
-constexpr int64_t kMinBlocks = 512;
-
-inline int pick_tiles_per_block(int64_t n_h, int per_head, int max_tiles, int R) {
-  if (R > kChunk) return 1;
-  int t = per_head < max_tiles ? per_head : max_tiles;
-  if (const char* forced = std::getenv("DS_GDN_TILES")) {
-    const int f = std::atoi(forced);
-    if (f >= 1) return f < t ? f : t;
-  }
-  while (t > 1 && n_h * ceil_div(per_head, t) < kMinBlocks) t = (t + 1) / 2;
-  return t;
 }
 
 template <typename T, int K, int ROWS, bool VERIFY>
@@ -333,15 +319,21 @@ inline ds_error_t launch_rows(RecurrentParams p, ds_stream_t stream) {
   const int tiles = static_cast<int>(ceil_div(p.V, Tile<K, ROWS>::kRows));
   if constexpr (VERIFY) {
     const int per_head = (p.HV / p.H) * tiles;
-    p.tiles_per_block =
-        pick_tiles_per_block(int64_t(p.N) * p.H, per_head, Staged<K, ROWS, true>::kTiles, p.R);
+    constexpr int cap = Staged<K, ROWS, true>::kTiles;
+    p.tiles_per_block = pick_tiles_per_block(int64_t(p.N) * p.H, per_head, cap, cap, p.R);
     const dim3 grid(static_cast<unsigned>(ceil_div(per_head, p.tiles_per_block)), p.H, p.N);
     return p.tiles_per_block > 1
                ? launch(verify_kernel<T, K, ROWS, true>, grid, kThreads, stream, Pdl::kOn, p)
                : launch(verify_kernel<T, K, ROWS, false>, grid, kThreads, stream, Pdl::kOn, p);
   } else {
-    const int64_t blocks = int64_t(tiles) * p.HV * p.N;
-    return launch(decode_kernel<T, K, ROWS>, blocks, kThreads, stream, Pdl::kOn, p);
+    const int per_head = (p.HV / p.H) * tiles;
+    constexpr int cap = Staged<K, ROWS, true>::kTiles;
+    p.tiles_per_block = pick_tiles_per_block(int64_t(p.N) * p.H, per_head, cap < 2 ? cap : 2,
+                                             cap, 1);
+    const int64_t blocks = ceil_div(per_head, p.tiles_per_block) * int64_t(p.H) * p.N;
+    return p.tiles_per_block > 1
+               ? launch(decode_kernel<T, K, ROWS, true>, blocks, kThreads, stream, Pdl::kOn, p)
+               : launch(decode_kernel<T, K, ROWS, false>, blocks, kThreads, stream, Pdl::kOn, p);
   }
 }
 

@@ -20,18 +20,25 @@ struct ReplayParams {
   int L, N, N_max, R_max, H, HV, V;
 };
 
-// One block: Tile<K, ROWS>::kRows value rows of head hv, request n, layer l (row tiles fastest).
-template <int K, int ROWS>
+// One block: row tiles [t0, t0 + nt) (Tile<K, ROWS>::kRows value rows each) of head hv,
+// request n, layer l; grid (tile groups, HV, N, L) flattened, tile groups fastest. MULTI (two
+// tiles, rows <= kChunk, the launch sees to both): k, the gates and both tiles' v are staged
+// once; the second tile is prefetched into L2 while the first computes, as in gdn_decode.
+template <int K, int ROWS, bool MULTI>
 __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) {
   using L = Layout<K>;
   constexpr int BR = Tile<K, ROWS>::kRows;
-  __shared__ __align__(16) RowSmem<K, BR, kChunk, false> sm;
+  constexpr int TP = MULTI ? 2 : 1;
+  constexpr int VR = TP * BR;  // staged value rows
+  __shared__ __align__(16) RowSmem<K, VR, kChunk, false> sm;
 
   const int tiles = static_cast<int>(ceil_div(p.V, BR));
+  const int groups = static_cast<int>(ceil_div(tiles, TP));
   const int64_t blk = blockIdx.x;
-  const int tile = static_cast<int>(blk % tiles);
-  const int hv = static_cast<int>((blk / tiles) % p.HV);
-  const int64_t nl = blk / (int64_t(tiles) * p.HV);
+  const int t0 = static_cast<int>(blk % groups) * TP;
+  const int nt = t0 + TP < tiles ? TP : tiles - t0;
+  const int hv = static_cast<int>((blk / groups) % p.HV);
+  const int64_t nl = blk / (int64_t(groups) * p.HV);
   const int n = static_cast<int>(nl % p.N);
   const int layer = static_cast<int>(nl / p.N);
   int rows = p.accepted[n];
@@ -46,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) 
   float* head = p.state + layer * p.state_layer_stride + (slot * p.HV + hv) * int64_t(p.V) * K;
   float s[ROWS][kPerLane];
   int row[ROWS];
-  load_tile<K, ROWS>(head, tile, p.V, s, row);
+  load_tile<K, ROWS>(head, t0, p.V, s, row);
 
   const int64_t first = (int64_t(layer) * p.N_max + n) * p.R_max;  // stash row of row 0
   for (int c0 = 0; c0 < rows; c0 += kChunk) {
@@ -54,7 +61,7 @@ __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) 
     if (c0 > 0) __syncthreads();
     // Every stash load of the chunk first (one memory round trip), then the shared stores.
     constexpr int kKs = (kChunk * (K / 4) + kThreads - 1) / kThreads;  // float4 pieces of k
-    constexpr int kVs = (kChunk * BR + kThreads - 1) / kThreads;       // v values
+    constexpr int kVs = (kChunk * VR + kThreads - 1) / kThreads;       // v values
     float4 kp[kKs];
     float vv[kVs];
 #pragma unroll
@@ -65,8 +72,8 @@ __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) 
     }
 #pragma unroll
     for (int u = 0; u < kVs; ++u) {
-      const int i = tid + u * kThreads, r = i / BR, rw = tile * BR + i % BR;
-      vv[u] = i < rc * BR && rw < p.V ? p.stash_v[((first + c0 + r) * p.HV + hv) * p.V + rw]
+      const int i = tid + u * kThreads, r = i / VR, rw = t0 * BR + i % VR;
+      vv[u] = i < rc * VR && rw < p.V ? p.stash_v[((first + c0 + r) * p.HV + hv) * p.V + rw]
                                       : 0.f;
     }
     const int gr = tid - (kThreads - rc);  // gates: the last rc threads, one row each
@@ -84,33 +91,46 @@ __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) 
 #pragma unroll
     for (int u = 0; u < kVs; ++u) {
       const int i = tid + u * kThreads;
-      if (i < rc * BR) sm.v[i / BR][i % BR] = vv[u];
+      if (i < rc * VR) sm.v[i / VR][i % VR] = vv[u];
     }
     if (gr >= 0) {
       sm.decay[gr][0] = gate_decay(g);
       sm.beta[gr][0] = beta;
     }
     __syncthreads();
-    for (int r = 0; r < rc; ++r) {
-      float k[kPerLane];
-      load_slice<K>(sm.k[r], lane, k);
-      const float decay = sm.decay[r][0], beta = sm.beta[r][0];
+    for (int i = 0; i < nt; ++i) {  // one tile unless MULTI
+      if (i > 0) load_tile<K, ROWS>(head, t0 + i, p.V, s, row);
+      if (i + 1 < nt) prefetch_tile<K, ROWS>(head, t0 + i + 1, p.V);
+      for (int r = 0; r < rc; ++r) {
+        float k[kPerLane];
+        load_slice<K>(sm.k[r], lane, k);
+        const float decay = sm.decay[r][0], beta = sm.beta[r][0];
 #pragma unroll
-      for (int m = 0; m < ROWS; ++m)
-        update<K>(s[m], k, sm.v[r][m * L::kGroups + grp], decay, beta);
+        for (int m = 0; m < ROWS; ++m)
+          update<K>(s[m], k, sm.v[r][i * BR + m * L::kGroups + grp], decay, beta);
+      }
+      if (MULTI) store_tile<K, ROWS>(head, s, row);
     }
   }
-  store_tile<K, ROWS>(head, s, row);
+  if (!MULTI) store_tile<K, ROWS>(head, s, row);
+}
+
+template <int K, int ROWS>
+inline ds_error_t launch_replay_rows(const ReplayParams& p, int64_t heads, ds_stream_t stream) {
+  const int tiles = static_cast<int>(ceil_div(p.V, Tile<K, ROWS>::kRows));
+  const int tp = pick_tiles_per_block(heads, tiles, 2, 2, p.R_max);
+  const int64_t blocks = ceil_div(tiles, tp) * heads;
+  return tp > 1 ? launch(replay_kernel<K, ROWS, true>, blocks, kThreads, stream, Pdl::kOff, p)
+                : launch(replay_kernel<K, ROWS, false>, blocks, kThreads, stream, Pdl::kOff, p);
 }
 
 template <int K>
 inline ds_error_t launch_replay(const ReplayParams& p, ds_stream_t stream) {
   const int64_t heads = int64_t(p.HV) * p.N * p.L;
-  const auto blocks = [&](int rows) { return ceil_div(p.V, Layout<K>::kGroups * rows) * heads; };
   switch (pick_rows<K>(heads, p.V, /*one_launch_per_layer=*/false)) {
-    case 4: return launch(replay_kernel<K, 4>, blocks(4), kThreads, stream, Pdl::kOff, p);
-    case 2: return launch(replay_kernel<K, 2>, blocks(2), kThreads, stream, Pdl::kOff, p);
-    default: return launch(replay_kernel<K, 1>, blocks(1), kThreads, stream, Pdl::kOff, p);
+    case 4: return launch_replay_rows<K, 4>(p, heads, stream);
+    case 2: return launch_replay_rows<K, 2>(p, heads, stream);
+    default: return launch_replay_rows<K, 1>(p, heads, stream);
   }
 }
 

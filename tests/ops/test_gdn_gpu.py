@@ -74,6 +74,34 @@ def test_decode_at_large_batches_equals_decode_in_pieces(n):
     torch.testing.assert_close(pool, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tiles", ["1", "2", "3", "8"])  # 3: a short last block per key head
+def test_decode_and_replay_give_the_same_bits_for_any_tiles_per_block(tiles, monkeypatch):
+    h, hv, kd, n, rows, layers = 16, 32, 128, 24, 4, 2
+    ins = [gdn_inputs(n, rows, h, hv, kd, kd, seed=30 + i, dtype=torch.bfloat16, device=DEV)
+           for i in range(layers)]
+    pool = random_state(n + 1, hv, kd, kd, seed=31, layers=layers, device=DEV)
+    slots = _slots(n, n + 1, seed=32)
+    accepted = torch.tensor([i % (rows + 1) for i in range(n)], dtype=torch.int32)
+    stash = GDNStash.allocate(layers, n, rows, h, hv, kd, kd, DEV)
+    for layer, x in enumerate(ins):
+        gdn_verify(*x, pool[layer], slots, kd ** -0.5, stash, layer)
+
+    def run(env):
+        if env is None:
+            monkeypatch.delenv("DS_GDN_TILES", raising=False)
+        else:
+            monkeypatch.setenv("DS_GDN_TILES", env)
+        dec, rep = pool.clone(), pool.clone()
+        outs = _decode_steps(ins, dec, slots, accepted)
+        gdn_replay(stash, rep, slots, accepted.to(DEV))
+        return dec, rep, [o for layer_outs in outs for _, o in layer_outs]
+
+    dec, rep, outs = run(tiles)
+    dec0, rep0, outs0 = run(None)
+    assert torch.equal(dec, dec0) and torch.equal(rep, rep0) and torch.equal(dec, rep)
+    assert all(torch.equal(o, o0) for o, o0 in zip(outs, outs0))
+
+
 def _decode_steps(ins, pool, slots, rows_per_req):
     """rows_per_req[i] gdn_decode steps for request i, in every layer; returns outputs per row."""
     outs = []
