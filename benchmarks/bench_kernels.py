@@ -5,7 +5,9 @@ Timing: CUDA events around CUDA-graph replays of a chain of calls on distinct la
 model step runs them), median of >= 50 replays after warm-up, divided by the chain length.
 Reference bandwidth: an eager 4 GiB fp32 `copy_` timed with events in the same run. Anchors in
 the same run: fla-core `fused_recurrent_gated_delta_rule` (decode, T=1, and T=R for verify) and
-fla-core `causal_conv1d_update`. Prints a table and writes JSON (--out).
+fla-core `causal_conv1d_update`. gdn_replay_verify is gdn_verify with the previous step's R
+rows pending (gdn_replay of that layer folded into the verify launch). Prints a table and
+writes JSON (--out).
 
     python benchmarks/bench_kernels.py --out results.json [--batches 1,8,64] [--rows 4]
     python benchmarks/bench_kernels.py --gdn-rows 1,2,4   # also each forced rows-per-thread
@@ -102,11 +104,18 @@ def bench_gdn(n: int, rows: int) -> dict:
                                     slots, scale, stash, i)) for i in range(chain)], chain)
     accepted = torch.full((n,), rows, dtype=torch.int32, device="cuda")
     out["gdn_replay"] = graph_us([lambda: ops.gdn_replay(stash, pool, slots, accepted)], chain)
+    # verify with the previous step's rows pending (all `rows` accepted): replay folded in
+    stash2 = ops.GDNStash.allocate(chain, n, rows, H, HV, K, V, "cuda")
+    out["gdn_replay_verify"] = graph_us([
+        (lambda i=i: ops.gdn_verify(qr[i], kr[i], vr[i], ar[i], br[i], A_log, dt_bias, pool[i],
+                                    slots, scale, stash2, i, pending=(stash, accepted)))
+        for i in range(chain)], chain)
     stash_row = (H * K + HV * V + 2 * HV) * 4
     io = (2 * H * K + HV * V + 2 * HV) * 2 + HV * V * 2  # q, k, v, a, b in; o out (bf16)
     out["bytes"] = {"gdn_decode": n * (2 * STATE_BYTES + io),
                     "gdn_verify": n * (STATE_BYTES + rows * (io + stash_row)),
-                    "gdn_replay": n * (2 * STATE_BYTES + rows * stash_row)}
+                    "gdn_replay": n * (2 * STATE_BYTES + rows * stash_row),
+                    "gdn_replay_verify": n * (2 * STATE_BYTES + rows * (io + 2 * stash_row))}
     return out
 
 
@@ -188,7 +197,8 @@ def forced(n: int, rows: int, var: str, choices: str, label: str) -> dict:
             t = bench_gdn(n, rows)
         finally:
             del os.environ[var]
-        res[r] = {op: t[op] for op in ("gdn_decode", "gdn_verify", "gdn_replay")}
+        res[r] = {op: t[op] for op in ("gdn_decode", "gdn_verify", "gdn_replay",
+                                       "gdn_replay_verify")}
         print(f"  {label} {r}: " + ", ".join(f"{op} {us:.2f}" for op, us in res[r].items()))
         torch.cuda.empty_cache()
     return res
@@ -230,8 +240,8 @@ def main() -> None:
                 row["fla_error"] = repr(exc)[:200]
         anchors = {"gdn_decode": "fla_decode", "gdn_verify": "fla_verify_T",
                    "conv_update": "fla_conv_update"}
-        for op in ("gdn_decode", "gdn_verify", "gdn_replay", "conv_update", "conv_verify",
-                   "conv_commit"):
+        for op in ("gdn_decode", "gdn_verify", "gdn_replay", "gdn_replay_verify", "conv_update",
+                   "conv_verify", "conv_commit"):
             nbytes = row["bytes"][op] if op in row["bytes"] else 0
             us = row[op]
             gbps = nbytes / us / 1e3
@@ -240,7 +250,9 @@ def main() -> None:
                   f"{nbytes / copy / 1e3:>10.2f}{fla:>9.2f}")
         row["verify_plus_replay_over_decode"] = (row["gdn_verify"] + row["gdn_replay"]) / \
             row["gdn_decode"]
-        print(f"  verify+replay / decode = {row['verify_plus_replay_over_decode']:.2f}")
+        row["replay_verify_over_decode"] = row["gdn_replay_verify"] / row["gdn_decode"]
+        print(f"  verify+replay / decode = {row['verify_plus_replay_over_decode']:.2f}; "
+              f"replay_verify (one launch) / decode = {row['replay_verify_over_decode']:.2f}")
         row["forced_rows"] = forced(n, args.rows, "DS_GDN_ROWS", args.gdn_rows, "rows/thread")
         row["forced_tiles"] = forced(n, args.rows, "DS_GDN_TILES", args.gdn_tiles,
                                      "verify tiles/block")

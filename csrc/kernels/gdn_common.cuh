@@ -241,6 +241,23 @@ inline int pick_tiles_per_block(int64_t heads, int per_head, int most, int cap, 
   return t;
 }
 
+// The state update of staged rows 0 .. rc-1 on this thread's state rows (replay, and a
+// verify's pending rows): row r's v at column v0 + tile row, its gates at column gi.
+template <int K, int ROWS, int VROWS, int CH, int TILES>
+DS_DEVICE void update_rows(const RowSmem<K, VROWS, CH, false, TILES>& sm,
+                           float (&s)[ROWS][kPerLane], int v0, int gi, int rc) {
+  using L = Layout<K>;
+  const int lane = L::group_lane(), grp = L::group();
+  for (int r = 0; r < rc; ++r) {
+    float k[kPerLane];
+    load_slice<K>(sm.k[r], lane, k);
+    const float decay = sm.decay[r][gi], beta = sm.beta[r][gi];
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m)
+      update<K>(s[m], k, sm.v[r][v0 + m * L::kGroups + grp], decay, beta);
+  }
+}
+
 // Rows per thread for a launch over `heads` (request, value head[, layer]) triples of V rows.
 // Measured on the H200 (benchmarks/RESULTS.md, Qwen3-Next shapes, loads-first staging):
 // decode and verify are best with 1 at B=1 (more, smaller blocks spread the state over all

@@ -32,6 +32,14 @@ struct RecurrentParams {
   float* stash_v;         // verify: [N_max, R_max, HV, V]
   float* stash_g;         // verify: [N_max, R_max, HV]
   float* stash_beta;      // verify: [N_max, R_max, HV]
+  // verify with pending rows (gdn_replay of this layer folded in): the previous verify's stash
+  // of this layer, same [N_max, R_max, ...] shapes, and its accepted rows per request [N]
+  // (null: none pending)
+  const float* pend_k;
+  const float* pend_v;
+  const float* pend_g;
+  const float* pend_beta;
+  const int32_t* pend_rows;
   int64_t q_stride_n, q_stride_r, k_stride_n, k_stride_r, v_stride_n, v_stride_r;
   int64_t a_stride_n, a_stride_r, b_stride_n, b_stride_r;  // all in elements
   int N, R, R_max, H, HV, V;
@@ -190,14 +198,64 @@ DS_DEVICE int64_t guess_slot(const RecurrentParams& p, int n) {
 // A verify block with several tiles stages v and the gates of all of them at once: at most
 // kStagedRows value rows (16 KB of v for 8 rows), so it spans at most Staged<>::kTiles tiles.
 // A one-tile block (MULTI false) stages only its own rows: less shared memory and less code,
-// which is what the latency-bound small batches run.
+// which is what the latency-bound small batches run. With pending rows (PENDING) a second set
+// of k, v and gates is staged, so half the rows, to stay in 48 KB of static shared memory
+// (still a whole key head's 8 tiles at Qwen3-Next shapes).
 constexpr int kStagedRows = 512;
-template <int K, int ROWS, bool MULTI>
+template <int K, int ROWS, bool MULTI, bool PENDING = false>
 struct Staged {
   static constexpr int kBR = Tile<K, ROWS>::kRows;
-  static constexpr int kTiles = MULTI && kStagedRows / kBR > 1 ? kStagedRows / kBR : 1;
+  static constexpr int kMaxRows = PENDING ? kStagedRows / 2 : kStagedRows;
+  static constexpr int kTiles = MULTI && kMaxRows / kBR > 1 ? kMaxRows / kBR : 1;
   static constexpr int kRows = kTiles * kBR;
 };
+
+// Stage the pending rows 0 .. rc-1 (rc <= kChunk) of request n for key head h and work tiles
+// w0 .. w0+nt-1 from the previous verify's stash: k as stashed (normalised), v, and the gates
+// as replay_kernel forms them (decay = gate_decay(g), beta), so update_rows applies them with
+// replay's bits, hence decode's.
+template <int K, int BR, int VROWS, int TILES>
+DS_DEVICE void stage_pending(const RecurrentParams& p, RowSmem<K, VROWS, kChunk, false, TILES>& pm,
+                             int n, int rc, int h, int w0, int nt, int tiles) {
+  constexpr int kKs = (kChunk * (K / 4) + kThreads - 1) / kThreads;  // float4 pieces of k
+  constexpr int kU = 8;                                             // v loads per batch
+  const int tid = threadIdx.x, G = p.HV / p.H, span = nt * BR;
+  const int64_t first = int64_t(n) * p.R_max;  // stash row of pending row 0
+  float4 kp[kKs];
+#pragma unroll
+  for (int u = 0; u < kKs; ++u) {
+    const int i = tid + u * kThreads;
+    if (i < rc * (K / 4))
+      kp[u] = *reinterpret_cast<const float4*>(
+          p.pend_k + ((first + i / (K / 4)) * p.H + h) * K + (i % (K / 4)) * 4);
+  }
+  for (int e0 = 0; e0 < rc * span; e0 += kU * kThreads) {
+    float x[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int e = e0 + u * kThreads + tid, r = e / span, c = e % span, w = w0 + c / BR;
+      const int vr = (w % tiles) * BR + c % BR;
+      x[u] = e < rc * span && vr < p.V
+                 ? p.pend_v[((first + r) * p.HV + h * G + w / tiles) * p.V + vr] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int e = e0 + u * kThreads + tid;
+      if (e < rc * span) pm.v[e / span][e % span] = x[u];
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kKs; ++u) {
+    const int i = tid + u * kThreads;
+    if (i < rc * (K / 4))
+      *reinterpret_cast<float4*>(&pm.k[i / (K / 4)][(i % (K / 4)) * 4]) = kp[u];
+  }
+  for (int e = tid; e < rc * nt; e += kThreads) {
+    const int r = e / nt, i = e % nt, hv = h * G + (w0 + i) / tiles;
+    pm.decay[r][i] = gate_decay(p.pend_g[(first + r) * p.HV + hv]);
+    pm.beta[r][i] = p.pend_beta[(first + r) * p.HV + hv];
+  }
+}
 
 // gdn_decode, one block: work tiles [w0, w0 + nt) of key head h of request n (work tile w: row
 // tile w % tiles of value head h * G + w / tiles), in turn. q, k, k . q and every tile's v and
@@ -254,12 +312,19 @@ DS_DEVICE void decode_block(const RecurrentParams& p) {
 //     computes. Per-tile staging and barriers were about a third of verify's instructions with
 //     several tiles per block (ncu, session 5).
 //   one tile: staged chunk by chunk (kChunk rows), the state held in registers across chunks.
+//   PENDING (pend_rows set; R_max <= kChunk, the launch sees to it): the previous verify's
+//     accepted rows of this request are applied to each tile as it is loaded, and that state is
+//     written back, before the verify rows run on it: gdn_replay of this layer folded into the
+//     launch that reads the state anyway, so a speculative step moves the state once, not
+//     three times (verify read, replay read + write).
 // Grid: (splits of the G * tiles work tiles, H, N).
-template <typename T, int K, int ROWS, bool MULTI>
+template <typename T, int K, int ROWS, bool MULTI, bool PENDING>
 DS_DEVICE void verify_block(const RecurrentParams& p) {
-  using S = Staged<K, ROWS, MULTI>;
+  using S = Staged<K, ROWS, MULTI, PENDING>;
   constexpr int BR = S::kBR;
   __shared__ __align__(16) RowSmem<K, S::kRows, kChunk, true, S::kTiles> sm;
+  __shared__ __align__(16) RowSmem<K, PENDING ? S::kRows : 1, PENDING ? kChunk : 1, false,
+                                   PENDING ? S::kTiles : 1> pm;
 
   const int tiles = (p.V + BR - 1) / BR;
   const int G = p.HV / p.H;
@@ -276,6 +341,12 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
   const auto head_of = [&](int w) {
     return p.state + (slot * p.HV + h * G + w / tiles) * head_elems;
   };
+  int pend = 0;  // uniform per block
+  if constexpr (PENDING) {
+    pend = p.pend_rows[n];
+    const int most = p.R_max < kChunk ? p.R_max : kChunk;
+    pend = pend < 0 ? 0 : (pend > most ? most : pend);
+  }
   float s[ROWS][kPerLane];
   int row[ROWS];
   load_tile<K, ROWS>(head_of(w0), w0 % tiles, p.V, s, row);  // in flight while staging
@@ -283,20 +354,38 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
     const int nt = w0 + p.tiles_per_block < G * tiles ? p.tiles_per_block : G * tiles - w0;
     stage_span<T, K, BR, S::kRows, kChunk, S::kTiles, true>(p, sm, n, 0, p.R, h, w0, nt, tiles,
                                                              w0 == 0);
+    if constexpr (PENDING) {
+      if (pend > 0) stage_pending<K, BR>(p, pm, n, pend, h, w0, nt, tiles);
+    }
     __syncthreads();
     for (int i = 0; i < nt; ++i) {
       const int w = w0 + i;
       if (i > 0) load_tile<K, ROWS>(head_of(w), w % tiles, p.V, s, row);
       if (i + 1 < nt) prefetch_tile<K, ROWS>(head_of(w + 1), (w + 1) % tiles, p.V);
+      if constexpr (PENDING) {
+        if (pend > 0) {
+          update_rows<K>(pm, s, i * BR, i, pend);
+          store_tile<K, ROWS>(head_of(w), s, row);
+        }
+      }
       run_rows<T, K, ROWS>(p, sm, s, row, n, h * G + w / tiles, i, 0, p.R);
     }
   } else {
+    if constexpr (PENDING) {
+      if (pend > 0) stage_pending<K, BR>(p, pm, n, pend, h, w0, 1, tiles);
+    }
     for (int c0 = 0; c0 < p.R; c0 += kChunk) {
       const int rc = p.R - c0 < kChunk ? p.R - c0 : kChunk;
       if (c0 > 0) __syncthreads();  // every thread is done with the previous chunk
       stage_span<T, K, BR, S::kRows, kChunk, 1, true>(p, sm, n, c0, rc, h, w0, 1, tiles,
                                                        w0 == 0);
       __syncthreads();
+      if constexpr (PENDING) {
+        if (c0 == 0 && pend > 0) {
+          update_rows<K>(pm, s, 0, 0, pend);
+          store_tile<K, ROWS>(head_of(w0), s, row);
+        }
+      }
       run_rows<T, K, ROWS>(p, sm, s, row, n, h * G + w0 / tiles, 0, c0, rc);
     }
   }
@@ -309,22 +398,30 @@ template <typename T, int K, int ROWS, bool MULTI>
 __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, 5) decode_kernel(const RecurrentParams p) {
   decode_block<T, K, ROWS, MULTI>(p);
 }
-template <typename T, int K, int ROWS, bool MULTI>
+template <typename T, int K, int ROWS, bool MULTI, bool PENDING>
 __global__ void __launch_bounds__(kThreads) verify_kernel(const RecurrentParams p) {
-  verify_block<T, K, ROWS, MULTI>(p);
+  verify_block<T, K, ROWS, MULTI, PENDING>(p);
+}
+
+template <typename T, int K, int ROWS, bool PENDING>
+inline ds_error_t launch_verify(RecurrentParams p, int tiles, ds_stream_t stream) {
+  const int per_head = (p.HV / p.H) * tiles;
+  constexpr int cap = Staged<K, ROWS, true, PENDING>::kTiles;
+  p.tiles_per_block = pick_tiles_per_block(int64_t(p.N) * p.H, per_head, cap, cap, p.R);
+  const dim3 grid(static_cast<unsigned>(ceil_div(per_head, p.tiles_per_block)), p.H, p.N);
+  return p.tiles_per_block > 1
+             ? launch(verify_kernel<T, K, ROWS, true, PENDING>, grid, kThreads, stream, Pdl::kOn, p)
+             : launch(verify_kernel<T, K, ROWS, false, PENDING>, grid, kThreads, stream, Pdl::kOn,
+                      p);
 }
 
 template <typename T, int K, int ROWS, bool VERIFY>
 inline ds_error_t launch_rows(RecurrentParams p, ds_stream_t stream) {
   const int tiles = static_cast<int>(ceil_div(p.V, Tile<K, ROWS>::kRows));
   if constexpr (VERIFY) {
-    const int per_head = (p.HV / p.H) * tiles;
-    constexpr int cap = Staged<K, ROWS, true>::kTiles;
-    p.tiles_per_block = pick_tiles_per_block(int64_t(p.N) * p.H, per_head, cap, cap, p.R);
-    const dim3 grid(static_cast<unsigned>(ceil_div(per_head, p.tiles_per_block)), p.H, p.N);
-    return p.tiles_per_block > 1
-               ? launch(verify_kernel<T, K, ROWS, true>, grid, kThreads, stream, Pdl::kOn, p)
-               : launch(verify_kernel<T, K, ROWS, false>, grid, kThreads, stream, Pdl::kOn, p);
+    if (p.pend_rows == nullptr) return launch_verify<T, K, ROWS, false>(p, tiles, stream);
+    if (p.R_max > kChunk) return DS_ERROR_INVALID_VALUE;  // pending rows are one staged chunk
+    return launch_verify<T, K, ROWS, true>(p, tiles, stream);
   } else {
     const int per_head = (p.HV / p.H) * tiles;
     constexpr int cap = Staged<K, ROWS, true>::kTiles;

@@ -26,7 +26,6 @@ struct ReplayParams {
 // once; the second tile is prefetched into L2 while the first computes, as in gdn_decode.
 template <int K, int ROWS, bool MULTI>
 __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) {
-  using L = Layout<K>;
   constexpr int BR = Tile<K, ROWS>::kRows;
   constexpr int TP = MULTI ? 2 : 1;
   constexpr int VR = TP * BR;  // staged value rows
@@ -46,8 +45,6 @@ __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) 
   if (rows == 0) return;  // uniform per block
 
   const int h = hv / (p.HV / p.H);
-  const int lane = L::group_lane();
-  const int grp = L::group();
   const int tid = threadIdx.x;
   const int64_t slot = p.slots[n];
   float* head = p.state + layer * p.state_layer_stride + (slot * p.HV + hv) * int64_t(p.V) * K;
@@ -101,14 +98,7 @@ __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) 
     for (int i = 0; i < nt; ++i) {  // one tile unless MULTI
       if (i > 0) load_tile<K, ROWS>(head, t0 + i, p.V, s, row);
       if (i + 1 < nt) prefetch_tile<K, ROWS>(head, t0 + i + 1, p.V);
-      for (int r = 0; r < rc; ++r) {
-        float k[kPerLane];
-        load_slice<K>(sm.k[r], lane, k);
-        const float decay = sm.decay[r][0], beta = sm.beta[r][0];
-#pragma unroll
-        for (int m = 0; m < ROWS; ++m)
-          update<K>(s[m], k, sm.v[r][i * BR + m * L::kGroups + grp], decay, beta);
-      }
+      update_rows<K>(sm, s, i * BR, 0, rc);
       if (MULTI) store_tile<K, ROWS>(head, s, row);
     }
   }

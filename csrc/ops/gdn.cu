@@ -1,4 +1,4 @@
-// Torch bindings for gdn_decode, gdn_verify, gdn_replay (CUDA dispatch key).
+// Torch bindings for gdn_decode, gdn_verify, gdn_replay_verify, gdn_replay (CUDA dispatch key).
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -73,22 +73,25 @@ at::Tensor gdn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   return o;
 }
 
-at::Tensor gdn_verify(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log,
-                      const at::Tensor& dt_bias, const at::Tensor& state, const at::Tensor& slots,
-                      double scale, const at::Tensor& stash_k, const at::Tensor& stash_v,
-                      const at::Tensor& stash_g, const at::Tensor& stash_beta, int64_t layer) {
-  auto p = recurrent_params(q, k, v, a, b, A_log, dt_bias, state, slots, scale, true);
-  for (const at::Tensor* t : TensorRefs{&stash_k, &stash_v, &stash_g, &stash_beta}) {
-    check_cuda(*t, "stash");
-    check_dtype(*t, at::kFloat, "stash");
-    check_dense(*t, "stash");
+// The stash tensors [L, N_max, R_max, ...] of a verify: checked against q/v; `what` names them.
+void check_stash(const ds::gdn::RecurrentParams& p, int64_t K, const at::Tensor& k,
+                 const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, int64_t layer,
+                 const char* what) {
+  for (const at::Tensor* t : TensorRefs{&k, &v, &g, &beta}) {
+    check_cuda(*t, what);
+    check_dtype(*t, at::kFloat, what);
+    check_dense(*t, what);
   }
-  TORCH_CHECK(stash_k.dim() == 5 && stash_k.size(3) == p.H && stash_k.size(4) == q.size(-1) &&
-                  stash_v.size(3) == p.HV && stash_v.size(4) == p.V,
-              "deltaserve: stash shapes do not match q/v");
-  TORCH_CHECK(0 <= layer && layer < stash_k.size(0) && p.N <= stash_k.size(1) &&
-                  p.R <= stash_k.size(2), "deltaserve: stash too small for this verify");
+  TORCH_CHECK(k.dim() == 5 && k.size(3) == p.H && k.size(4) == K && v.size(3) == p.HV &&
+                  v.size(4) == p.V, "deltaserve: ", what, " shapes do not match q/v");
+  TORCH_CHECK(0 <= layer && layer < k.size(0) && p.N <= k.size(1) && p.R <= k.size(2),
+              "deltaserve: ", what, " too small for this verify");
+}
+
+at::Tensor verify_impl(ds::gdn::RecurrentParams& p, const at::Tensor& q, const at::Tensor& v,
+                       const at::Tensor& stash_k, const at::Tensor& stash_v,
+                       const at::Tensor& stash_g, const at::Tensor& stash_beta, int64_t layer) {
+  check_stash(p, q.size(-1), stash_k, stash_v, stash_g, stash_beta, layer, "stash");
   p.R_max = stash_k.size(2);
   p.stash_k = stash_k.data_ptr<float>() + layer * stash_k.stride(0);
   p.stash_v = stash_v.data_ptr<float>() + layer * stash_v.stride(0);
@@ -102,6 +105,45 @@ at::Tensor gdn_verify(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                  "gdn_verify");
   });
   return o;
+}
+
+at::Tensor gdn_verify(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log,
+                      const at::Tensor& dt_bias, const at::Tensor& state, const at::Tensor& slots,
+                      double scale, const at::Tensor& stash_k, const at::Tensor& stash_v,
+                      const at::Tensor& stash_g, const at::Tensor& stash_beta, int64_t layer) {
+  auto p = recurrent_params(q, k, v, a, b, A_log, dt_bias, state, slots, scale, true);
+  return verify_impl(p, q, v, stash_k, stash_v, stash_g, stash_beta, layer);
+}
+
+// gdn_verify after applying pend_rows[i] rows of the previous verify's stash (pend_*, same
+// shapes as stash_*) to request i's state, which is written back: gdn_replay of one layer
+// folded into the verify launch.
+at::Tensor gdn_replay_verify(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log,
+                             const at::Tensor& dt_bias, const at::Tensor& state,
+                             const at::Tensor& slots, double scale, const at::Tensor& stash_k,
+                             const at::Tensor& stash_v, const at::Tensor& stash_g,
+                             const at::Tensor& stash_beta, int64_t layer,
+                             const at::Tensor& pend_k, const at::Tensor& pend_v,
+                             const at::Tensor& pend_g, const at::Tensor& pend_beta,
+                             const at::Tensor& pend_rows) {
+  auto p = recurrent_params(q, k, v, a, b, A_log, dt_bias, state, slots, scale, true);
+  check_stash(p, q.size(-1), pend_k, pend_v, pend_g, pend_beta, layer, "pending stash");
+  TORCH_CHECK(pend_k.sizes() == stash_k.sizes() && pend_v.sizes() == stash_v.sizes(),
+              "deltaserve: the pending stash must have the stash's shapes");
+  TORCH_CHECK(stash_k.size(2) <= ds::gdn::kChunk, "deltaserve: gdn_replay_verify takes at most ",
+              ds::gdn::kChunk, " rows per request");
+  check_cuda(pend_rows, "pend_rows");
+  check_dtype(pend_rows, at::kInt, "pend_rows");
+  check_dense(pend_rows, "pend_rows");
+  TORCH_CHECK(pend_rows.numel() == p.N, "deltaserve: pend_rows must have N entries");
+  p.pend_k = pend_k.data_ptr<float>() + layer * pend_k.stride(0);
+  p.pend_v = pend_v.data_ptr<float>() + layer * pend_v.stride(0);
+  p.pend_g = pend_g.data_ptr<float>() + layer * pend_g.stride(0);
+  p.pend_beta = pend_beta.data_ptr<float>() + layer * pend_beta.stride(0);
+  p.pend_rows = pend_rows.data_ptr<int32_t>();
+  return verify_impl(p, q, v, stash_k, stash_v, stash_g, stash_beta, layer);
 }
 
 void gdn_replay(const at::Tensor& stash_k, const at::Tensor& stash_v, const at::Tensor& stash_g,
@@ -142,6 +184,7 @@ void gdn_replay(const at::Tensor& stash_k, const at::Tensor& stash_v, const at::
 TORCH_LIBRARY_IMPL(deltaserve, CUDA, m) {
   m.impl("gdn_decode", &gdn_decode);
   m.impl("gdn_verify", &gdn_verify);
+  m.impl("gdn_replay_verify", &gdn_replay_verify);
   m.impl("gdn_replay", &gdn_replay);
 }
 

@@ -35,6 +35,15 @@ at::Tensor gdn_verify_meta(const at::Tensor&, const at::Tensor&, const at::Tenso
                            const at::Tensor&, int64_t) {
   return like(v);
 }
+at::Tensor gdn_replay_verify_meta(const at::Tensor&, const at::Tensor&, const at::Tensor& v,
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, int64_t, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&) {
+  return like(v);
+}
 void gdn_replay_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                      const at::Tensor&, const at::Tensor&, const at::Tensor&) {}
 void snapshot_copy_meta(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, c10::IntArrayRef) {}
@@ -55,6 +64,11 @@ TORCH_LIBRARY(deltaserve, m) {
   m.def("gdn_verify(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
         "Tensor dt_bias, Tensor state, Tensor slots, float scale, Tensor(a!) stash_k, "
         "Tensor(b!) stash_v, Tensor(c!) stash_g, Tensor(d!) stash_beta, int layer) -> Tensor");
+  m.def("gdn_replay_verify(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
+        "Tensor dt_bias, Tensor(a!) state, Tensor slots, float scale, Tensor(b!) stash_k, "
+        "Tensor(c!) stash_v, Tensor(d!) stash_g, Tensor(e!) stash_beta, int layer, "
+        "Tensor pend_k, Tensor pend_v, Tensor pend_g, Tensor pend_beta, Tensor pend_rows) "
+        "-> Tensor");
   m.def("gdn_replay(Tensor stash_k, Tensor stash_v, Tensor stash_g, Tensor stash_beta, "
         "Tensor(a!) state, Tensor slots, Tensor accepted) -> ()");
   m.def("snapshot_copy(Tensor src, Tensor(a!) dst, int[] src_slots, int[] dst_slots) -> ()");
@@ -67,6 +81,7 @@ TORCH_LIBRARY_IMPL(deltaserve, Meta, m) {
   m.impl("causal_conv1d_commit", &conv_commit_meta);
   m.impl("gdn_decode", &gdn_decode_meta);
   m.impl("gdn_verify", &gdn_verify_meta);
+  m.impl("gdn_replay_verify", &gdn_replay_verify_meta);
   m.impl("gdn_replay", &gdn_replay_meta);
   m.impl("snapshot_copy", &snapshot_copy_meta);
 }

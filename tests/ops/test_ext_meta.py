@@ -29,6 +29,11 @@ def test_gdn_ops_report_output_shapes_and_dtypes_on_meta_tensors():
                        meta(n, r, hv), meta(hv, dtype=f32), meta(hv, dtype=f32),
                        meta(9, hv, k, k, dtype=f32), meta(n, dtype=i32), 0.125, *stash, 1)
     assert o.shape == (n, r, hv, k)
+    o = ops.gdn_replay_verify(meta(n, r, h, k), meta(n, r, h, k), meta(n, r, hv, k),
+                              meta(n, r, hv), meta(n, r, hv), meta(hv, dtype=f32),
+                              meta(hv, dtype=f32), meta(9, hv, k, k, dtype=f32),
+                              meta(n, dtype=i32), 0.125, *stash, 1, *stash, meta(n, dtype=i32))
+    assert o.shape == (n, r, hv, k) and o.dtype == torch.bfloat16
     ops.gdn_replay(*stash, meta(2, 9, hv, k, k, dtype=f32), meta(n, dtype=i32),
                    meta(n, dtype=i32))
 

@@ -235,3 +235,39 @@ def test_prefill_on_cuda_matches_the_chunked_reference_in_our_state_layout():
     # fla-core runs its matmuls in bf16: loose tolerances; a transposed state would be far off.
     torch.testing.assert_close(o.float(), o_ref.float(), atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(final, final_ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kd,h,hv,n,rows", [(128, 16, 32, 24, 4), (128, 16, 32, 2, 4),
+                                            (64, 2, 4, 5, 8), (256, 1, 2, 3, 3),
+                                            (32, 4, 8, 40, 2), (128, 2, 8, 300, 1)])
+def test_verify_with_pending_rows_equals_replay_then_verify_bitwise(kd, h, hv, n, rows):
+    """gdn_replay_verify (one launch) == gdn_replay of that layer, then gdn_verify: the same
+    outputs, stash and state bits, for one-tile and multi-tile blocks."""
+    layers = 2
+    first = [gdn_inputs(n, rows, h, hv, kd, kd, seed=40 + i, dtype=torch.bfloat16, device=DEV)
+             for i in range(layers)]
+    second = [gdn_inputs(n, rows, h, hv, kd, kd, seed=50 + i, dtype=torch.bfloat16, device=DEV)
+              for i in range(layers)]
+    pool = random_state(n + 3, hv, kd, kd, seed=41, layers=layers, device=DEV)
+    slots = torch.cat([_slots(n - 1, n + 3, seed=42), torch.zeros(1, dtype=torch.int32,
+                                                                 device=DEV)])
+    prev = GDNStash.allocate(layers, n + 1, rows, h, hv, kd, kd, DEV)
+    for layer, x in enumerate(first):
+        gdn_verify(*x, pool[layer], slots, kd ** -0.5, prev, layer)
+    accepted = torch.tensor([(3 * i) % (rows + 1) for i in range(n)], dtype=torch.int32,
+                            device=DEV)
+    fused, split = pool.clone(), pool.clone()
+    st_f = GDNStash.allocate(layers, n + 1, rows, h, hv, kd, kd, DEV)
+    st_s = GDNStash.allocate(layers, n + 1, rows, h, hv, kd, kd, DEV)
+    gdn_replay(prev, split, slots, accepted)
+    for layer, x in enumerate(second):
+        o_f = gdn_verify(*x, fused[layer], slots, kd ** -0.5, st_f, layer,
+                         pending=(prev, accepted))
+        o_s = gdn_verify(*x, split[layer], slots, kd ** -0.5, st_s, layer)
+        assert torch.equal(o_f[:-1], o_s[:-1]), f"layer {layer}"
+    assert torch.equal(fused[:, 1:], split[:, 1:])
+    for name in ("k", "v", "g", "beta"):
+        assert torch.equal(getattr(st_f, name)[:, :n - 1], getattr(st_s, name)[:, :n - 1])
+    untouched = pool.clone()
+    untouched[:, slots.long()] = fused[:, slots.long()]
+    assert torch.equal(fused, untouched), "only the batch's slots are written"

@@ -179,6 +179,36 @@ def test_bad_shapes_raise_clear_errors():
                    torch.tensor([1, 2], dtype=torch.int32), 8 ** -0.5, stash, 0)
 
 
+def test_verify_with_pending_rows_is_replay_of_that_layer_then_verify():
+    n, r, h, hv, kd, vd, layers = 4, 3, 2, 4, 16, 16, 2
+    first, pool = _verify_case(n, r, h, hv, kd, vd, layers, seed=80)
+    second, _ = _verify_case(n, r, h, hv, kd, vd, layers, seed=81)
+    slots = torch.tensor([3, 1, 5, 2], dtype=torch.int32)
+    accepted = torch.tensor([0, 3, 1, 2], dtype=torch.int32)
+    prev = GDNStash.allocate(layers, n, r, h, hv, kd, vd, "cpu")
+    for layer, x in enumerate(first):
+        gdn_verify(*x, pool[layer], slots, kd ** -0.5, prev, layer)
+    fused, split = pool.clone(), pool.clone()
+    gdn_replay(prev, split, slots, accepted)
+    st_f = GDNStash.allocate(layers, n, r, h, hv, kd, vd, "cpu")
+    st_s = GDNStash.allocate(layers, n, r, h, hv, kd, vd, "cpu")
+    for layer, x in enumerate(second):
+        o_f = gdn_verify(*x, fused[layer], slots, kd ** -0.5, st_f, layer,
+                         pending=(prev, accepted))
+        o_s = gdn_verify(*x, split[layer], slots, kd ** -0.5, st_s, layer)
+        assert torch.equal(o_f, o_s)
+    assert torch.equal(fused, split)
+    assert not torch.equal(fused, pool), "the accepted rows were applied"
+    x = second[0]
+    with pytest.raises(ValueError, match="second buffer"):
+        gdn_verify(*x, fused[0], slots, kd ** -0.5, st_f, 0, pending=(st_f, accepted))
+    with pytest.raises(ValueError, match="pending rows must be"):
+        gdn_verify(*x, fused[0], slots, kd ** -0.5, st_f, 0, pending=(prev, accepted[:2]))
+    small = GDNStash.allocate(layers, n, r - 1, h, hv, kd, vd, "cpu")
+    with pytest.raises(ValueError, match="second buffer"):
+        gdn_verify(*x, fused[0], slots, kd ** -0.5, st_f, 0, pending=(small, accepted))
+
+
 def test_verify_and_replay_stay_bitwise_for_a_large_mixed_batch():
     """Big enough for ATen to vectorise and split work across threads differently per shape."""
     n, r, h, hv, kd, vd = 37, 3, 2, 8, 32, 32

@@ -29,6 +29,8 @@ from deltaserve.ops._ext import (
 )
 from deltaserve.ops.gdn_chunk import chunk_gated_delta_ref
 
+VERIFY_PENDING_MAX_ROWS = 8  # the kernels stage a verify's pending rows as one chunk (kChunk)
+
 L2_EPS = 1e-6
 
 
@@ -155,30 +157,54 @@ class GDNStash:
 def gdn_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                state: torch.Tensor, slots: torch.Tensor, scale: float, stash: GDNStash,
-               layer: int) -> torch.Tensor:
+               layer: int, pending: tuple[GDNStash, torch.Tensor] | None = None) -> torch.Tensor:
     """R speculative rows per request from its live state; the state is only read.
 
     q, k [N, R, H, K], v [N, R, HV, V], a, b [N, R, HV], A_log, dt_bias [HV],
     state [S, HV, V, K] fp32, slots [N] int32, scale = K^-1/2, stash with N <= max_reqs,
     R <= max_rows. Returns o [N, R, HV, V] (v's dtype); row r equals the output of the
     (r+1)-th of r+1 gdn_decode steps (bitwise on CPU and among the CUDA kernels). Writes
-    stash.{k,v,g,beta}[layer, :N, :R]. Raises ValueError when the stash is too small.
+    stash.{k,v,g,beta}[layer, :N, :R].
+
+    pending = (prev, rows): first apply the first rows[i] (int32 [N], clamped to 0..R) rows
+    of `prev` (the previous verify's stash, a distinct buffer of the stash's shapes) to request
+    i's state, in place, as `gdn_replay` would for this layer; then verify from that state.
+    On CUDA both happen in one launch (the state is read once and written once); bitwise equal
+    to gdn_replay followed by gdn_verify. Raises ValueError when the stash is too small or
+    `prev` does not match it.
     """
     _check_state(state, v, k)
     n, r = v.shape[0], v.shape[1]
     if n > stash.max_reqs or r > stash.max_rows or not 0 <= layer < stash.num_layers:
         raise ValueError(f"stash holds {stash.num_layers} layers x {stash.max_reqs} requests "
                          f"x {stash.max_rows} rows; got layer {layer}, N={n}, R={r}")
-    if _kernel_ok(q, k, v, a, b, state):
-        return torch.ops.deltaserve.gdn_verify(q, k, v, a, b, A_log.float(), dt_bias.float(),
-                                               state, slots, scale, stash.k, stash.v, stash.g,
-                                               stash.beta, layer)
+    if pending is not None:
+        prev, rows = pending
+        if prev.k.shape != stash.k.shape or prev.v.shape != stash.v.shape or prev.k is stash.k:
+            raise ValueError("pending: the previous stash must be a second buffer of the "
+                             f"stash's shapes {tuple(stash.k.shape)}")
+        if rows.shape != (n,):
+            raise ValueError(f"pending rows must be [N={n}], got {tuple(rows.shape)}")
+    kernel = _kernel_ok(q, k, v, a, b, state)
+    if pending is not None and not (kernel and stash.max_rows <= VERIFY_PENDING_MAX_ROWS):
+        prev, rows = pending  # replay this layer on its own first
+        one = GDNStash(*(x[layer:layer + 1] for x in (prev.k, prev.v, prev.g, prev.beta)))
+        gdn_replay(one, state[None], slots, rows)
+        pending = None
+    if kernel:
+        args = (q, k, v, a, b, A_log.float(), dt_bias.float(), state, slots, scale, stash.k,
+                stash.v, stash.g, stash.beta, layer)
+        if pending is None:
+            return torch.ops.deltaserve.gdn_verify(*args)
+        prev, rows = pending
+        return torch.ops.deltaserve.gdn_replay_verify(
+            *args, prev.k, prev.v, prev.g, prev.beta, rows.to(torch.int32).contiguous())
     return gdn_verify_ref(q, k, v, a, b, A_log, dt_bias, state, slots, scale, stash, layer)
 
 
 def gdn_verify_ref(q, k, v, a, b, A_log, dt_bias, state, slots, scale, stash,
                    layer) -> torch.Tensor:
-    """Pure-torch gdn_verify (any device); same contract."""
+    """Pure-torch gdn_verify without pending rows (any device); same contract."""
     n, r, hv = v.shape[0], v.shape[1], v.shape[-2]
     qn, kn, vf, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias, scale)
     stash.k[layer, :n, :r] = kn
@@ -225,7 +251,7 @@ def gdn_replay_ref(stash: GDNStash, state_pool: torch.Tensor, slots: torch.Tenso
         return
     hv = state_pool.shape[2]
     idx = slots.long()
-    acc = accepted.long().to(state_pool.device)
+    acc = accepted.long().to(state_pool.device).clamp(0, stash.max_rows)
     rows = int(acc.max())
     for layer in range(stash.num_layers):
         s = state_pool[layer, idx]
