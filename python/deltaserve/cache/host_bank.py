@@ -84,6 +84,7 @@ class HostSnapshotBank(GDNSlots):
         reused at once). Host reads of the bank tensors need `synchronize()` first."""
         assert pool.is_allocated(dev_slot), f"store from device slot {dev_slot}, not allocated"
         assert self.is_allocated(host_slot), f"store to host slot {host_slot}, not allocated"
+        pool.settle()
         self._copy((pool.recurrent, pool.conv), dev_slot, (self.recurrent, self.conv), host_slot)
 
     def load(self, host_slot: int, pool: GDNStatePool, dev_slot: int) -> None:
@@ -93,6 +94,7 @@ class HostSnapshotBank(GDNSlots):
         (which see the loaded state). `host_slot` is unchanged and may be freed at once."""
         assert self.is_allocated(host_slot), f"load from host slot {host_slot}, not allocated"
         assert pool.is_allocated(dev_slot), f"load to device slot {dev_slot}, not allocated"
+        pool.settle()
         self._copy((self.recurrent, self.conv), host_slot, (pool.recurrent, pool.conv), dev_slot)
 
     def _copy(self, src: tuple[torch.Tensor, torch.Tensor], src_slot: int,

@@ -1,12 +1,14 @@
 """CUDA graphs for decode and verify steps.
 
-One graph per (padded batch size, padded KV length) bucket, captured on first use into one
+One graph per (padded batch size, padded KV length) bucket, and for verify per stash written
+(two, alternating: see GDNStatePool's deferred replay), captured on first use into one
 shared memory pool. A graph runs the whole step: embeddings, every layer (paged attention over
 `kv_len` gathered positions, GDN decode or verify against the state pool), the final norm and
 the logits of every row. Inputs live in static buffers refilled before each replay; padding
 requests use the padding slot 0 and the padding page 0, so they never touch a real request.
 Outputs (logits, hidden, the verify stash and conv inputs that `commit` reads) stay valid until
-the next replay. Models whose forward syncs with the host (MoE routing) are not captured.
+the next replay. A verify graph always takes pending rows from a static int32 buffer (zeros
+when none are pending for its batch). Models whose forward syncs with the host (MoE routing) are not captured.
 """
 
 from __future__ import annotations
@@ -73,9 +75,14 @@ class GraphRunner:
         key = self.bucket(batch)
         if key is None:
             return None
+        n, rows, runner = batch.size, self.rows, self.runner
+        slot_ids = [r.slot for r in batch.reqs]
+        pend = None
+        if self.phase is Phase.VERIFY:  # one graph per stash it writes (they alternate)
+            target, pend = runner.take_pending(slot_ids)
+            key = (*key, target)
         g = self.graphs.get(key) or self._capture(*key)
         self.graphs[key] = g
-        n, rows, runner = batch.size, self.rows, self.runner
         ids = runner.input_ids(batch)
         pos = [p for r in batch.reqs for p in range(r.device_len, r.device_len + rows)]
         b = g.gdn.meta.slots.shape[0]
@@ -84,6 +91,11 @@ class GraphRunner:
         g.positions.copy_(torch.tensor(pos + [0] * pad), non_blocking=True)
         slots = [r.slot for r in batch.reqs] + [0] * (b - n)
         g.gdn.meta.slots.copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
+        if g.gdn.meta.pending is not None:
+            rows_buf = g.gdn.meta.pending[1]
+            rows_buf.zero_()
+            if pend is not None:
+                rows_buf[:n].copy_(pend)
         g.attn.copy_(AttentionMetadata.build_padded(
             [r.page_table for r in batch.reqs], [r.device_len for r in batch.reqs], rows,
             runner.kv.page_size, b, key[1]))
@@ -91,11 +103,12 @@ class GraphRunner:
         if out is not None:  # uncaptured: the eager step returned fresh tensors
             g.hidden, g.logits = out
         runner.last_gdn = g.gdn
+        runner.last_slot_ids = slot_ids
         t = n * rows
         hidden = g.hidden[:t].clone() if keep_hidden else None
         return ForwardOutput(g.logits[:t], [r for r in batch.reqs for _ in range(rows)], hidden)
 
-    def _capture(self, b: int, kv_len: int) -> _Graph:
+    def _capture(self, b: int, kv_len: int, target: int = 0) -> _Graph:
         runner, rows, dev = self.runner, self.rows, self.runner.device
         t = b * rows
         input_ids = torch.zeros(t, dtype=torch.long, device=dev)
@@ -104,8 +117,11 @@ class GraphRunner:
         attn = AttentionMetadata(*(x.to(dev) for x in (attn.write_index, attn.gather_index,
                                                        attn.row_index, attn.mask)))
         meta = GDNMetadata(self.phase, torch.zeros(b, dtype=torch.int32, device=dev),
-                           torch.arange(0, t + 1, rows, dtype=torch.int32, device=dev),
-                           rows, runner.stash)
+                           torch.arange(0, t + 1, rows, dtype=torch.int32, device=dev), rows)
+        if self.phase is Phase.VERIFY:  # pending rows: a static buffer, zeros when none
+            meta.stash = runner.stashes[target]
+            meta.pending = (runner.stashes[1 - target], torch.zeros(b, dtype=torch.int32,
+                                                                      device=dev))
         gdn = PoolGDNBackend(runner.state_pool, meta)
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:

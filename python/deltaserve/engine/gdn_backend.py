@@ -4,7 +4,10 @@ Prefill rows go through the varlen conv and the chunked rule (initial state from
 live slot, final state written back); decode rows through the one-row conv update and
 `gdn_decode`, both updating the slot in place. Verify rows (k+1 per request) read the slot
 only: `causal_conv1d_verify` and `gdn_verify`, which stashes each row's recurrence inputs;
-the conv inputs are kept in `conv_inputs`. `commit` then applies the accepted rows.
+the conv inputs are kept in `conv_inputs`. `commit` then writes the accepted rows' conv windows
+and leaves their GDN rows pending in the pool (GDNStatePool.defer_replay): the next verify of
+the same requests applies them in its own launch (`meta.pending`); anything else settles them
+first.
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ from deltaserve.ops import conv1d, gdn
 @dataclass
 class GDNMetadata:
     """phase; slots [N] int32 (live slot per request); cu_seqlens [N+1] int32 (prefill rows);
-    rows_per_req and stash (verify)."""
+    rows_per_req and stash (verify); pending (verify): (previous stash, rows int32 [N]), the
+    previous verify's accepted rows of these requests, applied before this verify."""
 
     phase: Phase
     slots: torch.Tensor
     cu_seqlens: torch.Tensor
     rows_per_req: int = 1
     stash: gdn.GDNStash | None = None
+    pending: tuple[gdn.GDNStash, torch.Tensor] | None = None
 
 
 class PoolGDNBackend:
@@ -40,6 +45,7 @@ class PoolGDNBackend:
     def forward(self, layer, mixed_qkv: torch.Tensor, a: torch.Tensor,
                 b: torch.Tensor) -> torch.Tensor:
         meta, gid = self.meta, layer.gdn_id
+        self.pool.settle()  # rows pending for other requests (a verify took its own already)
         conv_state = self.pool.conv[gid]
         state = self.pool.recurrent[gid]
         bias = getattr(layer, "conv_bias", None)
@@ -71,14 +77,16 @@ class PoolGDNBackend:
             o = gdn.gdn_verify(q.reshape(n, n_rows, h, dk), k.reshape(n, n_rows, h, dk),
                                v.reshape(n, n_rows, hv, dv), a.reshape(n, n_rows, hv),
                                b.reshape(n, n_rows, hv), layer.A_log, layer.dt_bias, state,
-                               meta.slots, scale, meta.stash, gid)
+                               meta.slots, scale, meta.stash, gid, pending=meta.pending)
             return o.reshape(-1, hv, dv)
         return gdn.gdn_decode(q, k, v, a, b, layer.A_log, layer.dt_bias, state, meta.slots,
                               scale)
 
-    def commit(self, accepted: torch.Tensor) -> None:
-        """Apply the first accepted[i] verify rows of request i (int32 [N], 0..R) to its live
-        GDN state and conv windows, in every layer: bitwise what that many decode steps give."""
-        gdn.gdn_replay(self.meta.stash, self.pool.recurrent, self.meta.slots, accepted)
+    def commit(self, accepted: torch.Tensor, slot_ids: list[int]) -> None:
+        """After this verify: the first accepted[i] rows (int32 [>= N], 0..R) of request i
+        (live slot slot_ids[i]) are committed: conv windows written now, GDN rows left pending
+        in the pool (settled before anything else reads the state). Together bitwise what that
+        many decode steps give."""
         for gid, x in self.conv_inputs.items():
             conv1d.causal_conv1d_commit(x, self.pool.conv[gid], self.meta.slots, accepted)
+        self.pool.defer_replay(self.meta.stash, slot_ids, self.meta.slots, accepted)

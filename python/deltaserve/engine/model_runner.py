@@ -23,21 +23,33 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    """Owns the model and the device-side caches (paged KV, GDN state pool, verify stash)."""
+    """Owns the model and the device-side caches (paged KV, GDN state pool, verify stashes)."""
 
     def __init__(self, model, kv: PagedKVCache, state_pool, device: torch.device,
                  max_reqs: int, rows_per_req: int = 1,
                  draft_kv: PagedKVCache | None = None) -> None:
         self.model, self.kv, self.state_pool, self.device = model, kv, state_pool, device
         self.draft_kv = draft_kv
-        self.stash = None
+        # Two verify stashes: a verify writes one while the previous verify's accepted rows,
+        # still pending (GDNStatePool.defer_replay), are read from the other.
+        self.stashes: tuple[GDNStash, GDNStash] | None = None
         if rows_per_req > 1:
             c = model.config
-            self.stash = GDNStash.allocate(
+            self.stashes = tuple(GDNStash.allocate(
                 c.num_gdn_layers, max_reqs, rows_per_req, c.linear_num_key_heads,
                 c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                device)
+                device) for _ in range(2))
         self.last_gdn: PoolGDNBackend | None = None
+        self.last_slot_ids: list[int] = []
+
+    def take_pending(self, slot_ids: list[int]) -> tuple[int, torch.Tensor | None]:
+        """For a verify of these live slots: (index of the stash it writes, the pending rows
+        int32 [N] it applies from the other stash, or None when none are pending for exactly
+        these requests in this order: those are settled)."""
+        pending = self.state_pool.take_pending(slot_ids)
+        if pending is None:
+            return 0, None
+        return (1 if pending.stash is self.stashes[0] else 0), pending.accepted
 
     def input_ids(self, batch: Batch) -> list[int]:
         """The tokens each row feeds: prompt chunks, the pending token, or pending + drafts."""
@@ -61,10 +73,17 @@ class ModelRunner:
         attn_meta = AttentionMetadata.build(
             [r.page_table for r in batch.reqs], [r.device_len for r in batch.reqs],
             batch.extend_lens, self.kv.page_size, dev)
+        slot_ids = [r.slot for r in batch.reqs]
         gdn_meta = GDNMetadata(
-            batch.phase, torch.tensor([r.slot for r in batch.reqs], dtype=torch.int32, device=dev),
-            torch.tensor(cu, dtype=torch.int32, device=dev), batch.rows_per_req, self.stash)
+            batch.phase, torch.tensor(slot_ids, dtype=torch.int32, device=dev),
+            torch.tensor(cu, dtype=torch.int32, device=dev), batch.rows_per_req)
+        if batch.phase is Phase.VERIFY:
+            target, rows = self.take_pending(slot_ids)
+            gdn_meta.stash = self.stashes[target]
+            if rows is not None:
+                gdn_meta.pending = (self.stashes[1 - target], rows)
         self.last_gdn = PoolGDNBackend(self.state_pool, gdn_meta)
+        self.last_slot_ids = slot_ids
         ctx = ForwardContext(positions=torch.tensor(positions, dtype=torch.long, device=dev),
                              attn=PagedAttentionBackend(self.kv, attn_meta), gdn=self.last_gdn)
         return input_ids, ctx
@@ -93,7 +112,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def commit_verify(self, committed: list[int]) -> None:
-        """After a verify forward: apply committed[i] rows of request i to its GDN state."""
+        """After a verify forward: commit committed[i] rows of request i (conv windows now,
+        GDN rows pending until the next verify or the next access to the state pool)."""
         pad = self.last_gdn.meta.slots.shape[0] - len(committed)  # a graph's padding requests
         accepted = torch.tensor(committed + [0] * pad, dtype=torch.int32, device=self.device)
-        self.last_gdn.commit(accepted)
+        self.last_gdn.commit(accepted, self.last_slot_ids)
