@@ -59,12 +59,14 @@ def sync(device: str) -> None:
 
 
 def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
-        max_tokens: int, args: argparse.Namespace, dtype: str = "auto") -> dict:
+        max_tokens: int, args: argparse.Namespace, dtype: str = "auto",
+        fold: bool = True) -> dict:
     kw = {}
     if algo is not None:
         kw = dict(speculative_algorithm=algo, speculative_num_steps=k)
     llm = LLM(model, device=device, dtype=dtype, enable_prefix_cache=False,
               max_running_reqs=max(batch, 8), **kw)
+    llm.engine.runner.fold_replay = fold
     prompts = workload(llm, batch, llm.engine.model.config.vocab_size, args)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -75,7 +77,8 @@ def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
     gaps = record_gaps(llm, prompts, params) if algo is None else {}
     outs = llm.generate(prompts, params) if algo is not None else None
     tokens = [o.token_ids for o in outs] if outs is not None else gaps.pop("tokens")
-    return {"algo": algo or "off", "k": k if algo else 0, "batch": batch,
+    name = (algo or "off") + ("" if fold else "/unf")
+    return {"algo": name, "k": k if algo else 0, "batch": batch,
             "decode_tok_s": batch * (max_tokens - 1) / max(decode_s, 1e-9),
             "acceptance_length": eng.acceptance_length if algo is not None else None,
             "tokens": tokens,
@@ -146,6 +149,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--tie-eps", type=float, default=0.07)
     ap.add_argument("--out", default="spec.json")
+    ap.add_argument("--unfolded", action="store_true",
+                    help="also run each speculative config with the accepted rows replayed by "
+                         "their own gdn_replay launch instead of folded into the next verify")
     ap.add_argument("--workload", choices=["repetitive", "heldout"], default="repetitive")
     ap.add_argument("--corpus", default="build/corpus", help="for --workload heldout")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="for --workload heldout")
@@ -156,16 +162,17 @@ def main() -> None:
         rows.append(base)
         for algo in ("ngram", "mtp"):
             for k in [int(x) for x in args.ks.split(",")]:
-                r = run(args.model, args.device, algo, k, batch, args.max_tokens, args,
-                        args.dtype)
-                r.update(compare(base, r, args.tie_eps))
-                r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
-                rows.append(r)
-    print(f"{'algo':6s} {'k':>2s} {'batch':>5s} {'tok/s':>9s} {'accept':>7s} {'speedup':>7s} "
+                for fold in (True, False) if args.unfolded else (True,):
+                    r = run(args.model, args.device, algo, k, batch, args.max_tokens, args,
+                            args.dtype, fold)
+                    r.update(compare(base, r, args.tie_eps))
+                    r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
+                    rows.append(r)
+    print(f"{'algo':10s} {'k':>2s} {'batch':>5s} {'tok/s':>9s} {'accept':>7s} {'speedup':>7s} "
           "same/near-tie/diff")
     for r in rows:
         acc = f"{r['acceptance_length']:.2f}" if r.get("acceptance_length") else "-"
-        print(f"{r['algo']:6s} {r['k']:2d} {r['batch']:5d} {r['decode_tok_s']:9.1f} {acc:>7s} "
+        print(f"{r['algo']:10s} {r['k']:2d} {r['batch']:5d} {r['decode_tok_s']:9.1f} {acc:>7s} "
               f"{r.get('speedup', 1.0):7.2f} "
               f"{r.get('same', '-')}/{r.get('near_ties', '-')}/{r.get('diff', '-')}")
     for r in rows:

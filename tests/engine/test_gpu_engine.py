@@ -77,3 +77,26 @@ def test_gpu_speculation_on_and_off_give_the_same_tokens_with_cuda_graphs(ckpt, 
         ref = reference_greedy(ckpt, prompt, GREEDY.max_tokens)
         assert_same_runs(a, b, ref, f"graphs vs eager len {len(prompt)}", eps=GPU_EPS)
         assert_same_runs(c, a, ref, f"{algo} vs plain len {len(prompt)}", eps=GPU_EPS)
+
+
+@pytest.fixture(scope="module")
+def ckpt_k32(tmp_path_factory):
+    """GDN head dims the CUDA kernels take (the tiny default, 16, runs the torch reference)."""
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("gpu32") / "m", "qwen3_5_text",
+                                    seed=5, linear_key_head_dim=32, linear_value_head_dim=32))
+
+
+def test_gpu_kernels_fold_the_accepted_rows_into_the_next_verify_and_keep_the_tokens(ckpt_k32):
+    batch = [tokens(n, seed=n + 7) for n in (9, 70)]
+    plain = make(ckpt_k32, max_running_reqs=4)
+    spec = make(ckpt_k32, max_running_reqs=4, speculative_algorithm="ngram",
+                speculative_num_steps=3)
+    off = [o.token_ids for o in plain.generate(batch, GREEDY)]
+    on = [o.token_ids for o in spec.generate(batch, GREEDY)]
+    pool = spec.engine.state_pool
+    assert pool.n_taken > 0, "no verify took the previous step's rows (gdn_replay_verify)"
+    assert not pool.has_pending
+    for prompt, a, b in zip(batch, off, on):
+        ref = reference_greedy(ckpt_k32, prompt, GREEDY.max_tokens)
+        assert_same_runs(b, a, ref, f"ngram vs plain len {len(prompt)}", eps=GPU_EPS)
+    assert_drained(spec.engine)

@@ -41,11 +41,16 @@ class ModelRunner:
                 device) for _ in range(2))
         self.last_gdn: PoolGDNBackend | None = None
         self.last_slot_ids: list[int] = []
+        # False: every verify settles the pending rows with their own gdn_replay first (the
+        # unfolded form; benchmarks/bench_spec.py --unfolded compares the two)
+        self.fold_replay = True
 
     def take_pending(self, slot_ids: list[int]) -> tuple[int, torch.Tensor | None]:
         """For a verify of these live slots: (index of the stash it writes, the pending rows
         int32 [N] it applies from the other stash, or None when none are pending for exactly
         these requests in this order: those are settled)."""
+        if not self.fold_replay:
+            self.state_pool.settle()
         pending = self.state_pool.take_pending(slot_ids)
         if pending is None:
             return 0, None

@@ -252,11 +252,12 @@ def gdn_replay_ref(stash: GDNStash, state_pool: torch.Tensor, slots: torch.Tenso
     hv = state_pool.shape[2]
     idx = slots.long()
     acc = accepted.long().to(state_pool.device).clamp(0, stash.max_rows)
-    rows = int(acc.max())
     for layer in range(stash.num_layers):
         s = state_pool[layer, idx]
         kh = _heads(stash.k[layer, :n], hv)
-        for i in range(rows):
+        # every stash row, masked: no host sync on `accepted` (a verify with pending rows runs
+        # this inside CUDA graph capture when the kernels do not take its shapes)
+        for i in range(stash.max_rows):
             new, _ = _step(s, None, kh[:, i], stash.v[layer, :n, i], stash.g[layer, :n, i],
                            stash.beta[layer, :n, i])
             s = torch.where((acc > i)[:, None, None, None], new, s)
