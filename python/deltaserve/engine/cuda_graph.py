@@ -81,6 +81,8 @@ class GraphRunner:
         if self.phase is Phase.VERIFY:  # one graph per stash it writes (they alternate)
             target, pend = runner.take_pending(slot_ids)
             key = (*key, target)
+        else:  # a replayed graph runs no Python: pending rows are settled here, not in forward
+            runner.state_pool.settle()
         g = self.graphs.get(key) or self._capture(*key)
         self.graphs[key] = g
         ids = runner.input_ids(batch)
