@@ -11,7 +11,7 @@ writes JSON (--out).
 
     python benchmarks/bench_kernels.py --out results.json [--batches 1,8,64] [--rows 4]
     python benchmarks/bench_kernels.py --gdn-rows 1,2,4   # also each forced rows-per-thread
-    python benchmarks/bench_kernels.py --gdn-tiles 1,2,4,8   # also each forced verify tiles/block
+    python benchmarks/bench_kernels.py --gdn-tiles 1,2,4,8   # also each forced tiles/block
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def main() -> None:
     parser.add_argument("--gdn-rows", default="",
                         help="also time the GDN ops with DS_GDN_ROWS forced to each of these")
     parser.add_argument("--gdn-tiles", default="",
-                        help="also time the GDN ops with DS_GDN_TILES (verify tiles per block) "
+                        help="also time the GDN ops with DS_GDN_TILES (tiles per block) "
                              "forced to each of these")
     parser.add_argument("--out", default="bench_kernels.json")
     args = parser.parse_args()
@@ -255,7 +255,7 @@ def main() -> None:
               f"replay_verify (one launch) / decode = {row['replay_verify_over_decode']:.2f}")
         row["forced_rows"] = forced(n, args.rows, "DS_GDN_ROWS", args.gdn_rows, "rows/thread")
         row["forced_tiles"] = forced(n, args.rows, "DS_GDN_TILES", args.gdn_tiles,
-                                     "verify tiles/block")
+                                     "tiles/block")
         results["batches"][n] = row
         torch.cuda.empty_cache()  # the pools of this batch size are unreachable now
         with open(args.out, "w") as f:
