@@ -52,8 +52,8 @@ class GDNStatePool(GDNSlots):
                          conv_width, conv_dtype, first=1, noun="slot", what="GDN state pool",
                          device=device)
         self._pending: PendingReplay | None = None
-        self.n_taken = 0    # pending rows applied by the next verify (folded in)
-        self.n_settled = 0  # pending rows applied by their own gdn_replay launch
+        self.n_taken = 0    # verify steps whose pending rows the next verify applied (folded)
+        self.n_settled = 0  # verify steps whose pending rows got their own gdn_replay launch
 
     def defer_replay(self, stash: GDNStash, slot_ids: list[int], slots: torch.Tensor,
                      accepted: torch.Tensor) -> None:

@@ -8,7 +8,8 @@ the logits of every row. Inputs live in static buffers refilled before each repl
 requests use the padding slot 0 and the padding page 0, so they never touch a real request.
 Outputs (logits, hidden, the verify stash and conv inputs that `commit` reads) stay valid until
 the next replay. A verify graph always takes pending rows from a static int32 buffer (zeros
-when none are pending for its batch). Models whose forward syncs with the host (MoE routing) are not captured.
+when none are pending for its batch). Models whose forward syncs with the host (MoE routing)
+are not captured.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class GraphRunner:
         self.phase = Phase.VERIFY if rows > 1 else Phase.DECODE
         self.batch_buckets = [x for x in buckets(max_reqs, 1) if x < max_reqs] + [max_reqs]
         self.len_buckets = [n for n in buckets(max_kv_len, 256) if n <= 8192]
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        # (batch bucket, KV bucket) for decode; + the index of the stash written, for verify
+        self.graphs: dict[tuple[int, ...], _Graph] = {}
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -79,8 +81,8 @@ class GraphRunner:
         slot_ids = [r.slot for r in batch.reqs]
         pend = None
         if self.phase is Phase.VERIFY:  # one graph per stash it writes (they alternate)
-            target, pend = runner.take_pending(slot_ids)
-            key = (*key, target)
+            write, pend = runner.take_pending(slot_ids)
+            key = (*key, write)
         else:  # a replayed graph runs no Python: pending rows are settled here, not in forward
             runner.state_pool.settle()
         g = self.graphs.get(key) or self._capture(*key)
@@ -110,7 +112,9 @@ class GraphRunner:
         hidden = g.hidden[:t].clone() if keep_hidden else None
         return ForwardOutput(g.logits[:t], [r for r in batch.reqs for _ in range(rows)], hidden)
 
-    def _capture(self, b: int, kv_len: int, target: int = 0) -> _Graph:
+    def _capture(self, b: int, kv_len: int, write: int = 0) -> _Graph:
+        """Capture (or, capture=False, build eagerly) the step of bucket (b, kv_len); a verify
+        step writes runner.stashes[write] and takes pending rows from the other one."""
         runner, rows, dev = self.runner, self.rows, self.runner.device
         t = b * rows
         input_ids = torch.zeros(t, dtype=torch.long, device=dev)
@@ -121,9 +125,9 @@ class GraphRunner:
         meta = GDNMetadata(self.phase, torch.zeros(b, dtype=torch.int32, device=dev),
                            torch.arange(0, t + 1, rows, dtype=torch.int32, device=dev), rows)
         if self.phase is Phase.VERIFY:  # pending rows: a static buffer, zeros when none
-            meta.stash = runner.stashes[target]
-            meta.pending = (runner.stashes[1 - target], torch.zeros(b, dtype=torch.int32,
-                                                                      device=dev))
+            meta.stash = runner.stashes[write]
+            meta.pending = (runner.stashes[1 - write], torch.zeros(b, dtype=torch.int32,
+                                                                     device=dev))
         gdn = PoolGDNBackend(runner.state_pool, meta)
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:

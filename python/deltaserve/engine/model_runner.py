@@ -83,10 +83,10 @@ class ModelRunner:
             batch.phase, torch.tensor(slot_ids, dtype=torch.int32, device=dev),
             torch.tensor(cu, dtype=torch.int32, device=dev), batch.rows_per_req)
         if batch.phase is Phase.VERIFY:
-            target, rows = self.take_pending(slot_ids)
-            gdn_meta.stash = self.stashes[target]
+            write, rows = self.take_pending(slot_ids)
+            gdn_meta.stash = self.stashes[write]
             if rows is not None:
-                gdn_meta.pending = (self.stashes[1 - target], rows)
+                gdn_meta.pending = (self.stashes[1 - write], rows)
         self.last_gdn = PoolGDNBackend(self.state_pool, gdn_meta)
         self.last_slot_ids = slot_ids
         ctx = ForwardContext(positions=torch.tensor(positions, dtype=torch.long, device=dev),

@@ -16,7 +16,8 @@ Speculation: decode and verify steps take no snapshot. A verify step runs k+1 ro
 only the accepted ones into the live state, so the state at a grid boundary crossed inside the
 step never exists on its own: that boundary is skipped (a later prompt resumes from an earlier
 snapshot). Plain decode skips them too, for the same rule everywhere. Only at release, when
-device_len is on the grid, is the live slot (exact after the replay) cached.
+device_len is on the grid, is the live slot cached (release settles the verify rows still
+pending in the state pool first, so the snapshot is exact).
 """
 
 from __future__ import annotations
@@ -206,9 +207,10 @@ class Scheduler:
 
         `sampled[rid]` holds the tokens to commit (empty for a prefill chunk that does not end
         the prompt). For a verify batch `commit_rows(counts)` is called with the number of rows
-        each request keeps (its committed tokens) before anything is released, so the live GDN
-        state is replayed while the request still owns its slot. Returns the requests that
-        finished in this step (already released).
+        each request keeps (its committed tokens) before anything is released, so those rows
+        are committed (GDN rows pending in the pool, settled at the latest by release) while
+        the request still owns its slot. Returns the requests that finished in this step
+        (already released).
         """
         if batch.phase is Phase.VERIFY:
             return self._process_verify(batch, sampled, commit_rows)
@@ -278,6 +280,9 @@ class Scheduler:
         """Give `req`'s pages and slots to the prefix cache (finished normally) or back to the
         pools (aborted); unlock its matched prefix. `req` holds nothing afterwards."""
         assert req.status is ReqStatus.FINISHED
+        # its live slot may stay in the prefix cache as a snapshot: complete every state now
+        # (verify rows are left pending between steps, GDNStatePool.defer_replay)
+        self.state_pool.settle()
         if req in self.running:
             self.running.remove(req)
         if self.on_release is not None:  # first: a proposer may finish the KV the cache keeps
