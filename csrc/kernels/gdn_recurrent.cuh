@@ -5,11 +5,12 @@
 // before the previous kernel in the stream (causal_conv1d_update/verify in a model step) ends.
 //
 // A block owns one or more row tiles (Tile<K, ROWS>::kRows value rows of one value head) of one
-// key head of one request, in turn: decode up to 2, verify up to Staged<>::kTiles. Each tile's state loads
-// are issued first, then the per-row inputs are staged for the whole block (q and k of a row
-// L2-normalised by one warp, with k . q; gates by one thread; v) in shared memory while those
-// loads are in flight. Verify keeps the evolving state in registers across its R rows and never
-// writes it back; decode writes it once.
+// key head of one request, in turn: decode up to 2, verify up to Staged<>::kTiles. The first
+// tile's state loads are issued first, then the per-row inputs are staged for the whole block
+// (q and k of a row L2-normalised by one warp, with k . q; gates by one thread; v) in shared
+// memory while those loads are in flight. Verify keeps the evolving state in registers across
+// its R rows and never writes it back (except the pending rows it may apply first: see
+// verify_block); decode writes it once.
 #pragma once
 
 #include "gdn_common.cuh"
