@@ -79,12 +79,9 @@ class GraphRunner:
             return None
         n, rows, runner = batch.size, self.rows, self.runner
         slot_ids = [r.slot for r in batch.reqs]
-        pend = None
+        write, pend = runner.take_pending(self.phase, slot_ids)  # a replay runs no Python
         if self.phase is Phase.VERIFY:  # one graph per stash it writes (they alternate)
-            write, pend = runner.take_pending(slot_ids)
             key = (*key, write)
-        else:  # a replayed graph runs no Python: pending rows are settled here, not in forward
-            runner.state_pool.settle()
         g = self.graphs.get(key) or self._capture(*key)
         self.graphs[key] = g
         ids = runner.input_ids(batch)

@@ -6,8 +6,8 @@ live slot, final state written back); decode rows through the one-row conv updat
 only: `causal_conv1d_verify` and `gdn_verify`, which stashes each row's recurrence inputs;
 the conv inputs are kept in `conv_inputs`. `commit` then writes the accepted rows' conv windows
 and leaves their GDN rows pending in the pool (GDNStatePool.defer_replay): the next verify of
-the same requests applies them in its own launch (`meta.pending`); anything else settles them
-first.
+the same requests applies them in its own launch (`meta.pending`); ModelRunner.take_pending
+settles them before any other forward.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ class PoolGDNBackend:
     def forward(self, layer, mixed_qkv: torch.Tensor, a: torch.Tensor,
                 b: torch.Tensor) -> torch.Tensor:
         meta, gid = self.meta, layer.gdn_id
-        self.pool.settle()  # rows pending for other requests (a verify took its own already)
         conv_state = self.pool.conv[gid]
         state = self.pool.recurrent[gid]
         bias = getattr(layer, "conv_bias", None)

@@ -45,12 +45,15 @@ class ModelRunner:
         # unfolded form; benchmarks/bench_spec.py --unfolded compares the two)
         self.fold_replay = True
 
-    def take_pending(self, slot_ids: list[int]) -> tuple[int, torch.Tensor | None]:
-        """For a verify of these live slots: (index of the stash it writes, the pending rows
-        int32 [N] it applies from the other stash, or None when none are pending for exactly
-        these requests in this order: those are settled)."""
-        if not self.fold_replay:
+    def take_pending(self, phase: Phase, slot_ids: list[int]) -> tuple[int, torch.Tensor | None]:
+        """Before a forward of `phase` over these live slots (eager or a graph replay, once per
+        forward). A verify gets (index of the stash it writes, the pending rows int32 [N] it
+        applies from the other stash, or None when none are pending for exactly these requests
+        in this order: those are settled). Any other phase settles pending rows: (0, None)."""
+        if phase is not Phase.VERIFY or not self.fold_replay:
             self.state_pool.settle()
+            if phase is not Phase.VERIFY:
+                return 0, None
         pending = self.state_pool.take_pending(slot_ids)
         if pending is None:
             return 0, None
@@ -82,8 +85,8 @@ class ModelRunner:
         gdn_meta = GDNMetadata(
             batch.phase, torch.tensor(slot_ids, dtype=torch.int32, device=dev),
             torch.tensor(cu, dtype=torch.int32, device=dev), batch.rows_per_req)
+        write, rows = self.take_pending(batch.phase, slot_ids)
         if batch.phase is Phase.VERIFY:
-            write, rows = self.take_pending(slot_ids)
             gdn_meta.stash = self.stashes[write]
             if rows is not None:
                 gdn_meta.pending = (self.stashes[1 - write], rows)
