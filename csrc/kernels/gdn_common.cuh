@@ -10,8 +10,9 @@
 // A thread may hold ROWS value rows (ROWS independent copies of that layout): more bytes in
 // flight per thread and interleaved chains. ROWS changes scheduling only, never the bits.
 //
-// Per-row inputs (q, k L2-normalised, decay = exp(g), beta, v) are staged once per block in
-// shared memory by the functions below, the same ones in every kernel.
+// Per-row inputs (q, k L2-normalised, k . q, decay = exp(g), beta, v) are formed by the
+// functions below, the same ones in every kernel: per thread in decode, staged once per block
+// in shared memory in verify, read from the stash in replay.
 #pragma once
 
 #include <cstdlib>
@@ -33,7 +34,6 @@ struct Layout {
                 "head_k_dim must be 32, 64, 128 or 256");
   static constexpr int kLanes = K / kPerLane;                 // lanes per value row
   static constexpr int kGroups = kThreads / kLanes;           // row groups per block
-  static constexpr int kNormPieces = (K / 4 + kWarp - 1) / kWarp;  // float4 pieces per lane
   DS_DEVICE static int group_lane() { return threadIdx.x % kLanes; }
   DS_DEVICE static int group() { return threadIdx.x / kLanes; }
   // Offset (elements) of the j-th 4-element piece this lane owns within a K-vector.
@@ -112,9 +112,10 @@ DS_DEVICE void prefetch_tile(const float* head, int tile, int V) {
   }
 }
 
-// Dot product of two lane-held K-vectors, summed over the group (every lane gets the same bits).
+// This lane's partial of the dot product of two lane-held K-vectors: four fixed fma chains (one
+// per e, j ascending), summed as (a0 + a1) + (a2 + a3).
 template <int K>
-DS_DEVICE float dot(const float (&x)[kPerLane], const float (&y)[kPerLane]) {
+DS_DEVICE float lane_dot(const float (&x)[kPerLane], const float (&y)[kPerLane]) {
   float acc[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) acc[e] = fmul(x[e], y[e]);
@@ -122,64 +123,56 @@ DS_DEVICE float dot(const float (&x)[kPerLane], const float (&y)[kPerLane]) {
   for (int j = 1; j < 4; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[e] = ffma(x[j * 4 + e], y[j * 4 + e], acc[e]);
-  return group_sum<Layout<K>::kLanes>(fadd(fadd(acc[0], acc[1]), fadd(acc[2], acc[3])));
+  return fadd(fadd(acc[0], acc[1]), fadd(acc[2], acc[3]));
 }
 
-// One warp L2-normalises a K-vector in two halves, so a caller can issue the loads of several
-// vectors (and its other inputs) before the first one is needed: lane l holds the float4
-// pieces c * 32 + l. The sum is a fixed fma chain per lane, then a 32-lane butterfly.
+// Dot product of two lane-held K-vectors, summed over the group (every lane gets the same bits).
+template <int K>
+DS_DEVICE float dot(const float (&x)[kPerLane], const float (&y)[kPerLane]) {
+  return group_sum<Layout<K>::kLanes>(lane_dot<K>(x, y));
+}
+
+// This lane's slices of a row's q and k (one key head, K elements of T each), in the state's
+// row layout: every group of the block holds whole vectors, so it can normalise them itself.
 template <int K, typename T>
-DS_DEVICE void warp_load_vector(const T* __restrict__ src, float (&x)[Layout<K>::kNormPieces][4]) {
-  const int wl = threadIdx.x % kWarp;
+DS_DEVICE void load_qk(const T* __restrict__ q, const T* __restrict__ k, int lane,
+                       float (&qs)[kPerLane], float (&ks)[kPerLane]) {
 #pragma unroll
-  for (int c = 0; c < Layout<K>::kNormPieces; ++c) {
-    const int idx = (c * kWarp + wl) * 4;
-    if (idx < K) {
-      load_vec<T, 4>(src + idx, x[c]);
-    } else {
+  for (int j = 0; j < 4; ++j) {
+    float x[4], y[4];
+    load_vec<T, 4>(q + Layout<K>::piece(lane, j), x);
+    load_vec<T, 4>(k + Layout<K>::piece(lane, j), y);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) x[c][e] = 0.f;
+    for (int e = 0; e < 4; ++e) {
+      qs[j * 4 + e] = x[e];
+      ks[j * 4 + e] = y[e];
     }
   }
 }
 
-// Dot product of two vectors held as warp_load_vector holds them: a fixed fma chain per lane
-// (pieces ascending), then a 32-lane butterfly. Lanes past K hold zeros.
+// q <- q * (rsqrt(sum(q^2) + eps) * scale), k <- k * rsqrt(sum(k^2) + eps) on the slices
+// load_qk loaded; returns k . q of the normalised vectors, taken from the raw dot as
+// (q . k) * inv_q * inv_k. The three sums are lane_dot's chains and one group butterfly, run
+// side by side: a group forms a row's inputs in three dependent shuffle rounds with no shared
+// memory or barrier, which is what lets gdn_decode skip staging. Every kernel forms q, k and
+// k . q with this function (verify stashes k), so their bits agree.
 template <int K>
-DS_DEVICE float warp_dot(const float (&x)[Layout<K>::kNormPieces][4],
-                         const float (&y)[Layout<K>::kNormPieces][4]) {
-  float acc = fmul(x[0][0], y[0][0]);
+DS_DEVICE float normalize_qk(float (&qs)[kPerLane], float (&ks)[kPerLane], float scale) {
+  float sq = lane_dot<K>(qs, qs), sk = lane_dot<K>(ks, ks), qk = lane_dot<K>(qs, ks);
 #pragma unroll
-  for (int c = 0; c < Layout<K>::kNormPieces; ++c)
-#pragma unroll
-    for (int e = (c == 0 ? 1 : 0); e < 4; ++e) acc = ffma(x[c][e], y[c][e], acc);
-  return group_sum<kWarp>(acc);
-}
-
-// x <- x * (rsqrt(sum(x^2) + eps) * scale) for the vector warp_load_vector loaded.
-template <int K>
-DS_DEVICE void warp_l2_normalize(float (&x)[Layout<K>::kNormPieces][4], float scale) {
-  const float inv = fmul(frsqrt(fadd(warp_dot<K>(x, x), kL2Eps)), scale);
-#pragma unroll
-  for (int c = 0; c < Layout<K>::kNormPieces; ++c)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) x[c][e] = fmul(x[c][e], inv);
-}
-
-// dst[0..K) = x; also to dst2 when not null (the verify stash).
-template <int K>
-DS_DEVICE void warp_store(const float (&x)[Layout<K>::kNormPieces][4], float* __restrict__ dst,
-                          float* __restrict__ dst2) {
-  const int wl = threadIdx.x % kWarp;
-#pragma unroll
-  for (int c = 0; c < Layout<K>::kNormPieces; ++c) {
-    const int idx = (c * kWarp + wl) * 4;
-    if (idx < K) {
-      const float4 y = make_float4(x[c][0], x[c][1], x[c][2], x[c][3]);
-      *reinterpret_cast<float4*>(dst + idx) = y;
-      if (dst2 != nullptr) *reinterpret_cast<float4*>(dst2 + idx) = y;
-    }
+  for (int off = Layout<K>::kLanes / 2; off > 0; off >>= 1) {
+    const float a = shfl_xor(sq, off), b = shfl_xor(sk, off), c = shfl_xor(qk, off);
+    sq = fadd(sq, a);
+    sk = fadd(sk, b);
+    qk = fadd(qk, c);
   }
+  const float inv_q = fmul(frsqrt(fadd(sq, kL2Eps)), scale), inv_k = frsqrt(fadd(sk, kL2Eps));
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    qs[i] = fmul(qs[i], inv_q);
+    ks[i] = fmul(ks[i], inv_k);
+  }
+  return fmul(fmul(qk, inv_q), inv_k);
 }
 
 // g = -exp(A_log) * softplus(a + dt_bias) (softplus as torch: x > 20 -> x), beta = sigmoid(b).
@@ -198,7 +191,7 @@ DS_DEVICE float gate_decay(float g) { return fexp(g); }
 // The output is taken as o = (decay S) q + delta (k . q), the same value as S q after the update
 // in exact arithmetic: both dots then read the decayed state, so their reductions run side by
 // side instead of one after the other (half the shuffle latency per row), and k . q is one
-// scalar per row, staged once per block (RowSmem::kq). The state update is the same either way.
+// scalar per row (normalize_qk). The state update is the same either way.
 // Returns o (when WITH_OUTPUT) on every lane of the group.
 template <int K, bool WITH_OUTPUT>
 DS_DEVICE float step(float (&s)[kPerLane], const float (&k)[kPerLane],
@@ -226,7 +219,8 @@ DS_DEVICE void update(float (&s)[kPerLane], const float (&k)[kPerLane], float v,
 // kMinBlocks blocks. Measured on the H200 at Qwen3-Next shapes: verify (session 5) 512 blocks of
 // 2 tiles beat 1,024 of 1 by 30% at B=8, 512 of 8 beat 1,024 of 4 by 10% at B=32; decode
 // (session 6) 2 tiles with the second prefetched beat 1 by 7-9% from B=32 on, and 4 or 8 lost
-// to 2. R > kChunk: one (the state of one tile stays in registers across chunks).
+// to 2; without staging (session 7) 2 still beat 1 by 7% at B=8 and 3% at B=64. R > kChunk:
+// one (the state of one tile stays in registers across chunks).
 // DS_GDN_TILES=t forces t, up to `cap` (the tiles a block's shared memory stages; tuning).
 constexpr int64_t kMinBlocks = 512;
 

@@ -1,15 +1,17 @@
 // gdn_decode (one row, state updated in place) and gdn_verify (R rows, state read only,
-// per-row outputs, stash written): two block bodies built from the same pieces (tile loads,
-// row staging, the row step from gdn_common.cuh), so their bits agree. Both are launched with
-// programmatic dependent launch (compat.cuh): a block prefetches its first state tile into L2
-// before the previous kernel in the stream (causal_conv1d_update/verify in a model step) ends.
+// per-row outputs, stash written): two block bodies built from the same pieces (tile loads, the
+// q/k norms, the gates and the row step from gdn_common.cuh), so their bits agree. Both are
+// launched with programmatic dependent launch (compat.cuh): a block prefetches its first state
+// tile into L2 before the previous kernel in the stream (causal_conv1d_update/verify in a model
+// step) ends.
 //
 // A block owns one or more row tiles (Tile<K, ROWS>::kRows value rows of one value head) of one
 // key head of one request, in turn: decode up to 2, verify up to Staged<>::kTiles. The first
-// tile's state loads are issued first, then the per-row inputs are staged for the whole block
-// (q and k of a row L2-normalised by one warp, with k . q; gates by one thread; v) in shared
-// memory while those loads are in flight. Verify keeps the evolving state in registers across
-// its R rows and never writes it back (except the pending rows it may apply first: see
+// tile's state loads are issued first, then the row inputs are formed while those loads are in
+// flight: by every thread for itself in decode (one row: nothing to share), staged for the
+// whole block in shared memory in verify (q and k of row r normalised by row group r, with
+// k . q; gates by one thread each; v). Verify keeps the evolving state in registers across its
+// R rows and never writes it back (except the pending rows it may apply first: see
 // verify_block); decode writes it once.
 #pragma once
 
@@ -50,40 +52,36 @@ struct RecurrentParams {
 };
 
 // Stage rows c0 .. c0+rc-1 of request n for key head h and its work tiles w0 .. w0+nt-1 into
-// shared memory (work tile w: row tile w % tiles of value head h * G + w / tiles, G = HV / H);
-// verify also writes the stash (k by the k_writer block of each key head, g/beta by the block
-// holding row tile 0 of each value head, v per row). One warp takes both q and k of a row (row
-// r: warp r % kWarps), so it also forms k . q. The q/k loads and the first pass of v and gate
-// loads are all issued before any of them is used: one memory round trip per staging instead of
-// one per q/k vector and per v pass (verify with R = 4 spent most of its time waiting on those
-// in turn, with the memory pipe idle).
-template <typename T, int K, int BR, int VROWS, int CH, int TILES, bool VERIFY>
+// shared memory (work tile w: row tile w % tiles of value head h * G + w / tiles, G = HV / H),
+// and write them to the stash (k by the k_writer block of each key head, g/beta by the block
+// holding row tile 0 of each value head, v per row). Row r's q and k are formed by row group r
+// (load_qk, normalize_qk: the same bits as gdn_decode, which forms them in every group). The
+// q/k loads and the first pass of v and gate loads are all issued before any of them is used:
+// one memory round trip per staging instead of one per q/k vector and per v pass (verify with
+// R = 4 spent most of its time waiting on those in turn, with the memory pipe idle).
+template <typename T, int K, int BR, int VROWS, int CH, int TILES>
 DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, TILES>& sm,
                           int n, int c0, int rc, int h, int w0, int nt, int tiles, bool k_writer) {
-  constexpr int P = Layout<K>::kNormPieces;
-  constexpr int kRowsPerWarp = (CH + kWarps - 1) / kWarps;
-  const int tid = threadIdx.x;
-  const int warp = tid / kWarp;
-  // v and the gates are taken from the last thread backwards, q and k from warp 0 forwards: with
-  // few rows (decode: one) the gate math and the q/k norms then run in different warps, side by
-  // side (the same warp doing both cost decode 18% at B=64, session 5).
+  using L = Layout<K>;
+  static_assert(CH <= L::kGroups, "one row group per staged row");
+  const int tid = threadIdx.x, lane = L::group_lane(), r_qk = L::group();
+  // v and the gates are taken from the last thread backwards, q and k from group 0 forwards:
+  // with few rows the gate math and the q/k norms then run in different warps, side by side
+  // (the same warp doing both cost decode 18% at B=64, session 5).
   const int rt = kThreads - 1 - tid;
   const int G = p.HV / p.H;
 
-  float x[kRowsPerWarp][2][P][4];  // [.][0]: q, [.][1]: k
-#pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int r = warp + i * kWarps;
-    if (r < rc) {
-      const T* q = static_cast<const T*>(p.q) + n * p.q_stride_n + (c0 + r) * p.q_stride_r;
-      const T* k = static_cast<const T*>(p.k) + n * p.k_stride_n + (c0 + r) * p.k_stride_r;
-      warp_load_vector<K, T>(q + h * K, x[i][0]);
-      warp_load_vector<K, T>(k + h * K, x[i][1]);
-    }
+  // Every thread takes part in normalize_qk (zeros past rc): its butterflies are full-warp
+  // shuffles, and rc groups may end inside a warp (a partial warp deadlocked in them).
+  float xq[kPerLane] = {}, xk[kPerLane] = {};
+  if (r_qk < rc) {
+    const T* q = static_cast<const T*>(p.q) + n * p.q_stride_n + (c0 + r_qk) * p.q_stride_r;
+    const T* k = static_cast<const T*>(p.k) + n * p.k_stride_n + (c0 + r_qk) * p.k_stride_r;
+    load_qk<K, T>(q + h * K, k + h * K, lane, xq, xk);
   }
   // v: a thread's slot u holds staged row r0 + slot_row(u), span column slot_col(u) (tile slot
-  // c / BR, tile row c % BR), all loads of a pass issued before its stores. A small span (decode,
-  // one verify tile) is covered in one pass, rows and columns spread over all threads; a wide one
+  // c / BR, tile row c % BR), all loads of a pass issued before its stores. A small span (one
+  // verify tile) is covered in one pass, rows and columns spread over all threads; a wide one
   // (several verify tiles) takes the same columns in every row, four rows a pass.
   constexpr bool kSmall = CH * VROWS <= 2 * kThreads;
   constexpr int kCols = (VROWS + kThreads - 1) / kThreads;
@@ -125,19 +123,13 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   };
   if (rt < ng) load_gate(rt);
 
-#pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int r = warp + i * kWarps;
-    if (r < rc) {
-      warp_l2_normalize<K>(x[i][0], p.scale);
-      warp_l2_normalize<K>(x[i][1], 1.f);
-      const float kq = warp_dot<K>(x[i][1], x[i][0]);
-      float* stash = nullptr;
-      if (k_writer) stash = p.stash_k + ((int64_t(n) * p.R_max + c0 + r) * p.H + h) * K;
-      warp_store<K>(x[i][0], sm.q[r], nullptr);
-      warp_store<K>(x[i][1], sm.k[r], stash);
-      if (tid % kWarp == 0) sm.kq[r] = kq;
-    }
+  const float kq = normalize_qk<K>(xq, xk, p.scale);
+  if (r_qk < rc) {
+    store_slice<K>(sm.q[r_qk], lane, xq);
+    store_slice<K>(sm.k[r_qk], lane, xk);
+    if (k_writer)
+      store_slice<K>(p.stash_k + ((int64_t(n) * p.R_max + c0 + r_qk) * p.H + h) * K, lane, xk);
+    if (lane == 0) sm.kq[r_qk] = kq;
   }
   for (int r0 = 0; r0 < rc; r0 += kPassRows) {
     if (r0 > 0) load_v(r0, v);
@@ -145,7 +137,7 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
     for (int u = 0; u < kSlots; ++u) {
       const int r = r0 + slot_row(u), c = slot_col(u);
       if (r < rc && c < span) sm.v[r][c] = v[u];  // zero past V: computes, never stored
-      if (VERIFY && r < rc && v_row[u] >= 0)
+      if (r < rc && v_row[u] >= 0)
         p.stash_v[((int64_t(n) * p.R_max + c0 + r) * p.HV + v_hv[u]) * p.V + v_row[u]] = v[u];
     }
   }
@@ -156,7 +148,7 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
     const float beta = gate_beta(gb);
     sm.decay[r][i] = gate_decay(g);
     sm.beta[r][i] = beta;
-    if (VERIFY && w % tiles == 0) {
+    if (w % tiles == 0) {
       const int64_t sr = int64_t(n) * p.R_max + c0 + r;
       p.stash_g[sr * p.HV + hv] = g;
       p.stash_beta[sr * p.HV + hv] = beta;
@@ -259,48 +251,77 @@ DS_DEVICE void stage_pending(const RecurrentParams& p, RowSmem<K, VROWS, kChunk,
 }
 
 // gdn_decode, one block: work tiles [w0, w0 + nt) of key head h of request n (work tile w: row
-// tile w % tiles of value head h * G + w / tiles), in turn. q, k, k . q and every tile's v and
-// gates are staged once; then each tile is loaded, stepped and stored, the next one prefetched
-// into L2 while the current one computes. Two tiles per block with that prefetch beat one tile
-// per block by 7-9% from B=32 on (session 6, RESULTS.md); prefetching further ahead, or the
-// second tile already before the grid-dependency wait, was slower.
+// tile w % tiles of value head h * G + w / tiles), in turn, the next one prefetched into L2
+// while the current one computes (two tiles per block beat one by 7-9% from B=32 on, session 6;
+// prefetching further ahead was slower). Nothing is staged: each thread loads the row inputs it
+// needs while its state loads are in flight (its group's slices of q and k, normalised by the
+// group with normalize_qk; the v of its rows; its value head's gates), so no shared memory and
+// no barrier stand between the grid-dependency wait and the first state store. Staging them for
+// the block cost about 1 µs of 3.5 at B=1 and 1.5 µs of 70 at B=64 (session 7, RESULTS.md).
 // 1-D grid: (splits of the G * tiles work tiles, H, N), splits fastest.
 template <typename T, int K, int ROWS, bool MULTI>
 DS_DEVICE void decode_block(const RecurrentParams& p) {
-  using S = Staged<K, ROWS, MULTI>;
-  constexpr int BR = S::kBR;
-  __shared__ __align__(16) RowSmem<K, S::kRows, 1, true, S::kTiles> sm;
-
+  using L = Layout<K>;
+  constexpr int BR = Tile<K, ROWS>::kRows;
   const int tiles = static_cast<int>(ceil_div(p.V, BR));
   const int G = p.HV / p.H, per_head = G * tiles;
-  const int splits = static_cast<int>(ceil_div(per_head, p.tiles_per_block));
+  const int tpb = MULTI ? p.tiles_per_block : 1;
+  const int splits = static_cast<int>(ceil_div(per_head, tpb));
   const int64_t blk = blockIdx.x;
-  const int w0 = static_cast<int>(blk % splits) * p.tiles_per_block;
+  const int w0 = static_cast<int>(blk % splits) * tpb;
   const int h = static_cast<int>((blk / splits) % p.H);
   const int n = static_cast<int>(blk / (int64_t(splits) * p.H));
-  const int nt = MULTI ? (w0 + p.tiles_per_block < per_head ? p.tiles_per_block : per_head - w0)
-                       : 1;
+  const int nt = w0 + tpb < per_head ? tpb : per_head - w0;
   const int64_t head_elems = int64_t(p.V) * K;
   const auto head_of = [&](int64_t slot, int w) {
     return p.state + (slot * p.HV + h * G + w / tiles) * head_elems;
   };
+  const int lane = L::group_lane();
+  float v[ROWS], decay, beta;  // the current tile's row inputs
+  const auto load_tile_inputs = [&](int w) {
+    const int hv = h * G + w / tiles;
+    const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + int64_t(hv) * p.V;
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m) {
+      const int raw = (w % tiles) * BR + m * L::kGroups + L::group();
+      v[m] = raw < p.V ? to_float(vp[raw]) : 0.f;  // zero past V: computes, never stored
+    }
+    const float ga = to_float(static_cast<const T*>(p.a)[n * p.a_stride_n + hv]);
+    const float gb = to_float(static_cast<const T*>(p.b)[n * p.b_stride_n + hv]);
+    decay = gate_decay(gate_g(ga, p.A_log[hv], p.dt_bias[hv]));
+    beta = gate_beta(gb);
+  };
 
   launch_dependents();  // the next kernel may start its prologue now
-  prefetch_tile<K, ROWS>(head_of(guess_slot(p, n), w0), w0 % tiles, p.V);
+  const int64_t guess = guess_slot(p, n);
+  prefetch_tile<K, ROWS>(head_of(guess, w0), w0 % tiles, p.V);
   grid_dependency_wait();
 
-  // State rows first: their loads are in flight while the row inputs are staged.
-  const int64_t slot = p.slots[n];
+  // The state loads go out first, from the slot read before the wait and checked below: the
+  // slot read is then off the path to the first state load.
   float s[ROWS][kPerLane];
   int row[ROWS];
-  load_tile<K, ROWS>(head_of(slot, w0), w0 % tiles, p.V, s, row);
-  stage_span<T, K, BR, S::kRows, 1, S::kTiles, false>(p, sm, n, 0, 1, h, w0, nt, tiles, false);
-  __syncthreads();
+  load_tile<K, ROWS>(head_of(guess, w0), w0 % tiles, p.V, s, row);
+  const int64_t slot = p.slots[n];
+  float q[kPerLane], k[kPerLane];
+  load_qk<K, T>(static_cast<const T*>(p.q) + n * p.q_stride_n + h * K,
+                static_cast<const T*>(p.k) + n * p.k_stride_n + h * K, lane, q, k);
+  load_tile_inputs(w0);
+  const float kq = normalize_qk<K>(q, k, p.scale);
+  if (slot != guess) load_tile<K, ROWS>(head_of(slot, w0), w0 % tiles, p.V, s, row);
   for (int i = 0; i < nt; ++i) {
-    const int w = w0 + i;
-    if (i > 0) load_tile<K, ROWS>(head_of(slot, w), w % tiles, p.V, s, row);
+    const int w = w0 + i, hv = h * G + w / tiles;
+    if (i > 0) {
+      load_tile<K, ROWS>(head_of(slot, w), w % tiles, p.V, s, row);
+      load_tile_inputs(w);
+    }
     if (i + 1 < nt) prefetch_tile<K, ROWS>(head_of(slot, w + 1), (w + 1) % tiles, p.V);
-    run_rows<T, K, ROWS>(p, sm, s, row, n, h * G + w / tiles, i, 0, 1);
+    T* o = static_cast<T*>(p.o) + (int64_t(n) * p.HV + hv) * p.V;
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m) {
+      const float out = step<K, true>(s[m], k, q, v[m], decay, beta, kq);
+      if (row[m] >= 0 && lane == 0) o[row[m]] = from_float<T>(out);
+    }
     store_tile<K, ROWS>(head_of(slot, w), s, row);
   }
 }
@@ -353,8 +374,8 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
   load_tile<K, ROWS>(head_of(w0), w0 % tiles, p.V, s, row);  // in flight while staging
   if constexpr (MULTI) {
     const int nt = w0 + p.tiles_per_block < G * tiles ? p.tiles_per_block : G * tiles - w0;
-    stage_span<T, K, BR, S::kRows, kChunk, S::kTiles, true>(p, sm, n, 0, p.R, h, w0, nt, tiles,
-                                                             w0 == 0);
+    stage_span<T, K, BR, S::kRows, kChunk, S::kTiles>(p, sm, n, 0, p.R, h, w0, nt, tiles,
+                                                       w0 == 0);
     if constexpr (PENDING) {
       if (pend > 0) stage_pending<K, BR>(p, pm, n, pend, h, w0, nt, tiles);
     }
@@ -378,8 +399,7 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
     for (int c0 = 0; c0 < p.R; c0 += kChunk) {
       const int rc = p.R - c0 < kChunk ? p.R - c0 : kChunk;
       if (c0 > 0) __syncthreads();  // every thread is done with the previous chunk
-      stage_span<T, K, BR, S::kRows, kChunk, 1, true>(p, sm, n, c0, rc, h, w0, 1, tiles,
-                                                       w0 == 0);
+      stage_span<T, K, BR, S::kRows, kChunk, 1>(p, sm, n, c0, rc, h, w0, 1, tiles, w0 == 0);
       __syncthreads();
       if constexpr (PENDING) {
         if (c0 == 0 && pend > 0) {
@@ -392,11 +412,13 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
   }
 }
 
-// Register caps, measured on the H200 (RESULTS.md): decode gained 9% at B >= 64 from a cap of 5
-// blocks per SM over the 4 that ptxas picked on its own; verify, with R rows of inputs in
-// flight, is best left to ptxas (a cap of 4 or 5 blocks cost 0-12% at K=128, spills at K=32).
+// Register caps, measured on the H200 (RESULTS.md): decode is best with a cap of 4 blocks per SM
+// (116 registers at 2 rows per thread, no spills); 5, best while decode staged its inputs in
+// shared memory (session 5), now spills 36 bytes and lost 2-8% at every batch (session 7).
+// Verify, with R rows of inputs in flight, is best left to ptxas (a cap of 4 or 5 blocks cost
+// 0-12% at K=128, spills at K=32).
 template <typename T, int K, int ROWS, bool MULTI>
-__global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, 5) decode_kernel(const RecurrentParams p) {
+__global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, 4) decode_kernel(const RecurrentParams p) {
   decode_block<T, K, ROWS, MULTI>(p);
 }
 template <typename T, int K, int ROWS, bool MULTI, bool PENDING>
