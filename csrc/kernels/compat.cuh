@@ -149,7 +149,9 @@ DS_DEVICE void store_vec(T* __restrict__ p, const float (&in)[N]) {
 // A kernel launched with `launch(..., Pdl::kOn, ...)` may start while the kernel before it in the
 // stream is still running, once that kernel's blocks have all called launch_dependents(). Before
 // grid_dependency_wait() it must not read anything that kernel may write: it only prefetches
-// (prefetch_l2 never returns data, so a stale address costs bandwidth, never a wrong bit).
+// (prefetch_l2 never returns data, so a stale address costs bandwidth, never a wrong bit) and
+// reads indices that only aim those prefetches, or aim loads after the wait that are checked
+// against the index read again after it (gdn_decode's slot).
 // After the wait every write of the previous kernel is visible (PTX ISA, griddepcontrol).
 DS_DEVICE void grid_dependency_wait() {
 #if !DS_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -221,7 +221,8 @@ DS_DEVICE void update(float (&s)[kPerLane], const float (&k)[kPerLane], float v,
 // (session 6) 2 tiles with the second prefetched beat 1 by 7-9% from B=32 on, and 4 or 8 lost
 // to 2; without staging (session 7) 2 still beat 1 by 7% at B=8 and 3% at B=64. R > kChunk:
 // one (the state of one tile stays in registers across chunks).
-// DS_GDN_TILES=t forces t, up to `cap` (the tiles a block's shared memory stages; tuning).
+// DS_GDN_TILES=t forces t, up to `cap` (verify: the tiles a block's shared memory stages;
+// tuning).
 constexpr int64_t kMinBlocks = 512;
 
 inline int pick_tiles_per_block(int64_t heads, int per_head, int most, int cap, int R) {
@@ -256,7 +257,8 @@ DS_DEVICE void update_rows(const RowSmem<K, VROWS, CH, false, TILES>& sm,
 // Measured on the H200 (benchmarks/RESULTS.md, Qwen3-Next shapes, loads-first staging):
 // decode and verify are best with 1 at B=1 (more, smaller blocks spread the state over all
 // SMs) and with 2 from B=8 on; replay (all layers in one launch) with 2 from B=1. 4 rows per
-// thread needs ~166 registers (3 blocks per SM) and lost at every batch size. Never changes
+// thread needs ~166 registers in verify (3 blocks per SM), spills 44 B in decode under its
+// 4-block cap, and lost at every batch size (decode at B=8 again in session 7). Never changes
 // results. DS_GDN_ROWS=1|2|4 in the environment forces a value (tuning runs).
 template <int K>
 inline int pick_rows(int64_t heads, int V, bool one_launch_per_layer = true) {

@@ -1,6 +1,6 @@
 // gdn_replay: the first accepted[n] stashed rows of every layer into the live state, one launch.
-// Same block shape and row step as gdn_decode (gdn_recurrent.cuh); the staged row inputs come
-// from the stash that gdn_verify wrote (k already normalised, g, beta, v as fp32).
+// Same block shape and row step as gdn_decode (gdn_recurrent.cuh); the row inputs are staged in
+// shared memory from the stash that gdn_verify wrote (k already normalised, g, beta, v as fp32).
 #pragma once
 
 #include "gdn_common.cuh"
@@ -23,7 +23,7 @@ struct ReplayParams {
 // One block: row tiles [t0, t0 + nt) (Tile<K, ROWS>::kRows value rows each) of head hv,
 // request n, layer l; grid (tile groups, HV, N, L) flattened, tile groups fastest. MULTI (two
 // tiles, rows <= kChunk, the launch sees to both): k, the gates and both tiles' v are staged
-// once; the second tile is prefetched into L2 while the first computes, as in gdn_decode.
+// once; the second tile is prefetched into L2 while the first computes, as gdn_decode does.
 template <int K, int ROWS, bool MULTI>
 __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) {
   constexpr int BR = Tile<K, ROWS>::kRows;

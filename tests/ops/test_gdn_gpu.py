@@ -185,6 +185,38 @@ def test_verify_blocks_over_several_tiles_equal_stepwise_decode_and_replay(n, ro
     assert torch.equal(live, expect[0])
 
 
+@pytest.mark.parametrize("kd,vd,h,hv", [(128, 100, 2, 4), (64, 40, 1, 2)])
+@pytest.mark.parametrize("tiles", [None, "2", "3"])
+def test_value_rows_off_the_tile_grid_keep_decode_verify_and_replay_bitwise(kd, vd, h, hv, tiles,
+                                                                            monkeypatch):
+    """V not a multiple of the row tile: each value head ends in a short tile, next to the next
+    head's first one (G = 2), in decode's per-thread row inputs and in verify's staged ones."""
+    if tiles is not None:
+        monkeypatch.setenv("DS_GDN_TILES", tiles)
+    n, rows = 10, 4
+    ins = gdn_inputs(n, rows, h, hv, kd, vd, seed=40, dtype=torch.bfloat16, device=DEV)
+    pool = random_state(n + 1, hv, vd, kd, seed=41, device=DEV)
+    slots = _slots(n, n + 1, seed=42)
+    stash = GDNStash.allocate(1, n, rows, h, hv, kd, vd, DEV)
+    live = pool.clone()
+    o = gdn_verify(*ins, live, slots, kd ** -0.5, stash, 0)
+    assert torch.equal(live, pool)
+    steps = _decode_steps([ins], pool[None].clone(), slots, torch.full((n,), rows))
+    for r, (_, o_dec) in enumerate(steps[0]):
+        assert torch.equal(o[:, r], o_dec), f"row {r}"
+    accepted = torch.tensor([i % (rows + 1) for i in range(n)], dtype=torch.int32)
+    gdn_replay(stash, live[None], slots, accepted.to(DEV))
+    expect = pool[None].clone()
+    _decode_steps([ins], expect, slots, accepted)
+    assert torch.equal(live, expect[0])
+    q, k, v, a, b, A_log, dt_bias = (x[:, 0] if x.dim() > 1 else x for x in ins)
+    dec, ref = pool.clone(), pool.clone()
+    o_dec = gdn_decode(q, k, v, a, b, A_log, dt_bias, dec, slots, kd ** -0.5)
+    o_ref = gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, ref, slots, kd ** -0.5)
+    torch.testing.assert_close(o_dec.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(dec, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_state_pools_over_2_pow_31_elements_use_64_bit_offsets():
     h, hv, kd = 16, 32, 128
     per_slot = hv * kd * kd
