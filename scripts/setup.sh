@@ -20,5 +20,17 @@ c = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
 print(f"{c[0]}.{c[1]}")')
   export TORCH_CUDA_ARCH_LIST
 fi
+# pip would rebuild the extension on every run (about 1.5 minutes): skip it when the install
+# was made with the same build settings and no kernel source or build file changed since.
+settings="build_ext=${DELTASERVE_BUILD_EXT:-auto} cuda=${CUDA_HOME:-} arch=${TORCH_CUDA_ARCH_LIST}"
+stamp=.venv/.deltaserve-install
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$settings" ] \
+    && [ -z "$(find csrc setup.py pyproject.toml -newer "$stamp" -print -quit)" ] \
+    && .venv/bin/python -c "import deltaserve" 2>/dev/null; then
+  echo "deltaserve is installed in $(pwd)/.venv (up to date: $settings)"
+  exit 0
+fi
+rm -f "$stamp"
 .venv/bin/pip install -q --no-build-isolation -e ".[test]"
+echo "$settings" > "$stamp"
 echo "deltaserve is installed in $(pwd)/.venv"
