@@ -5,9 +5,10 @@ Timing: CUDA events around CUDA-graph replays of a chain of calls on distinct la
 model step runs them), median of >= 50 replays after warm-up, divided by the chain length.
 Reference bandwidth: an eager 4 GiB fp32 `copy_` timed with events in the same run. Anchors in
 the same run: fla-core `fused_recurrent_gated_delta_rule` (decode, T=1, and T=R for verify) and
-fla-core `causal_conv1d_update`. gdn_replay_verify is gdn_verify with the previous step's R
-rows pending (gdn_replay of that layer folded into the verify launch). Prints a table and
-writes JSON (--out).
+fla-core `causal_conv1d_update`; torch's in-place `mul_` of the state bytes gdn_decode reads and
+writes (the floor of a plain read-modify-write in this chained form). gdn_replay_verify is
+gdn_verify with the previous step's R rows pending (gdn_replay of that layer folded into the
+verify launch). Prints a table and writes JSON (--out).
 
     python benchmarks/bench_kernels.py --out results.json [--batches 1,8,64] [--rows 4]
     python benchmarks/bench_kernels.py --gdn-rows 1,2,4   # also each forced rows-per-thread
@@ -104,6 +105,9 @@ def bench_gdn(n: int, rows: int) -> dict:
                                     slots, scale, stash, i)) for i in range(chain)], chain)
     accepted = torch.full((n,), rows, dtype=torch.int32, device="cuda")
     out["gdn_replay"] = graph_us([lambda: ops.gdn_replay(stash, pool, slots, accepted)], chain)
+    # anchor: torch's in-place read-modify-write of the state bytes decode moves (slots 1..n)
+    out["inplace_mul"] = graph_us([(lambda i=i: pool[i, 1:].mul_(1.0)) for i in range(chain)],
+                                  chain)
     # verify with the previous step's rows pending (all `rows` accepted): replay folded in
     stash2 = ops.GDNStash.allocate(chain, n, rows, H, HV, K, V, "cuda")
     out["gdn_replay_verify"] = graph_us([
@@ -251,6 +255,7 @@ def main() -> None:
         row["verify_plus_replay_over_decode"] = (row["gdn_verify"] + row["gdn_replay"]) / \
             row["gdn_decode"]
         row["replay_verify_over_decode"] = row["gdn_replay_verify"] / row["gdn_decode"]
+        print(f"  torch in-place mul_ of decode's state bytes: {row['inplace_mul']:.2f} µs")
         print(f"  verify+replay / decode = {row['verify_plus_replay_over_decode']:.2f}; "
               f"replay_verify (one launch) / decode = {row['replay_verify_over_decode']:.2f}")
         row["forced_rows"] = forced(n, args.rows, "DS_GDN_ROWS", args.gdn_rows, "rows/thread")

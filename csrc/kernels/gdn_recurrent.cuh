@@ -449,9 +449,8 @@ inline ds_error_t launch_rows(RecurrentParams p, ds_stream_t stream) {
     return launch_verify<T, K, ROWS, true>(p, tiles, stream);
   } else {
     const int per_head = (p.HV / p.H) * tiles;
-    constexpr int cap = 16;  // decode stages nothing: any count works; a bound for DS_GDN_TILES
-    p.tiles_per_block = pick_tiles_per_block(int64_t(p.N) * p.H, per_head, cap < 2 ? cap : 2,
-                                             cap, 1);
+    // 2 tiles at most; DS_GDN_TILES may force up to 16 (decode stages nothing, any count works)
+    p.tiles_per_block = pick_tiles_per_block(int64_t(p.N) * p.H, per_head, 2, 16, 1);
     const int64_t blocks = ceil_div(per_head, p.tiles_per_block) * int64_t(p.H) * p.N;
     return p.tiles_per_block > 1
                ? launch(decode_kernel<T, K, ROWS, true>, blocks, kThreads, stream, Pdl::kOn, p)

@@ -52,8 +52,7 @@ class ModelRunner:
         in this order: those are settled). Any other phase settles pending rows: (0, None)."""
         if phase is not Phase.VERIFY or not self.fold_replay:
             self.state_pool.settle()
-            if phase is not Phase.VERIFY:
-                return 0, None
+            return 0, None
         pending = self.state_pool.take_pending(slot_ids)
         if pending is None:
             return 0, None
