@@ -8,9 +8,9 @@
 // for these many short rows; a kernel keeps every SM streaming instead.
 //
 // Work split: each (layer, pair) row is cut into tiles of kThreads * kUnroll units (unit =
-// 16, 4 or 1 bytes, the widest that every pointer, width and stride is aligned to); blocks take
-// tiles grid-stride, so the index divisions are paid once per tile, and each thread has kUnroll
-// independent loads in flight before it stores. Source and destination rows must not overlap
+// 16, 4 or 1 bytes, the widest that every pointer, width and stride is aligned to); one block
+// per tile (grid-stride only past the grid limit), each thread with kUnroll independent loads
+// in flight before it stores. Source and destination rows must not overlap
 // (the caller checks): pairs run in no particular order.
 #pragma once
 
@@ -22,7 +22,7 @@ namespace snapshot {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 constexpr int kMaxPairs = 64;  // slot ids ride in the kernel parameters: no upload, no sync
-constexpr int kBlocksPerSM = 4;
+constexpr int64_t kMaxBlocks = 0x7fffffff;  // grid x limit; tiles beyond it are taken grid-stride
 
 struct SnapshotCopyParams {
   const char* src;           // [L, S_src, width] bytes, layers src_layer_stride apart
@@ -62,20 +62,6 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(const SnapshotCopyParams
   }
 }
 
-// Multiprocessors of the current device (the caller's device guard selects it).
-inline ds_error_t current_sm_count(int* sms) {
-  int dev = 0;
-#if DS_HIP
-  ds_error_t err = hipGetDevice(&dev);
-  if (err == DS_SUCCESS)
-    err = hipDeviceGetAttribute(sms, hipDeviceAttributeMultiprocessorCount, dev);
-#else
-  ds_error_t err = cudaGetDevice(&dev);
-  if (err == DS_SUCCESS) err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
-#endif
-  return err;
-}
-
 inline ds_error_t launch_snapshot_copy(const SnapshotCopyParams& p, ds_stream_t stream) {
   if (p.n_pairs < 0 || p.n_pairs > kMaxPairs) return DS_ERROR_INVALID_VALUE;
   // Slot offsets are multiples of width, so these five decide every address's alignment.
@@ -85,11 +71,10 @@ inline ds_error_t launch_snapshot_copy(const SnapshotCopyParams& p, ds_stream_t 
   const int unit = bits % 16 == 0 ? 16 : bits % 4 == 0 ? 4 : 1;
   const int64_t tiles = p.layers * p.n_pairs * ceil_div(p.width / unit, kThreads * kUnroll);
   if (tiles == 0) return DS_SUCCESS;
-  int sms = 0;
-  const ds_error_t err = current_sm_count(&sms);
-  if (err != DS_SUCCESS) return err;
-  // A few resident waves saturate HBM; more blocks would only repeat the per-tile index math.
-  const int64_t blocks = tiles < int64_t(kBlocksPerSM) * sms ? tiles : int64_t(kBlocksPerSM) * sms;
+  // One block per tile: back to back, 8 slots x 48 layers at Qwen3-Next shapes moved 3,958
+  // GB/s (93% of copy) against 3,751 (88%) with 4 resident blocks per SM taking tiles
+  // grid-stride (session 8): a block's stores then waited on its next loads.
+  const int64_t blocks = tiles < kMaxBlocks ? tiles : kMaxBlocks;
   if (unit == 16) return launch(copy_kernel<uint4>, blocks, kThreads, stream, Pdl::kOff, p);
   if (unit == 4) return launch(copy_kernel<uint32_t>, blocks, kThreads, stream, Pdl::kOff, p);
   return launch(copy_kernel<uint8_t>, blocks, kThreads, stream, Pdl::kOff, p);
