@@ -202,6 +202,34 @@ inline bool pdl_ready(const void* kernel) {
 }
 #endif
 
+// Multiprocessors (CUDA SMs, HIP CUs) of the current device, for launch heuristics stated in
+// blocks per multiprocessor. Cached per device; a failed query is returned, not cached.
+inline ds_error_t multiprocessor_count(int* count) {
+  static std::mutex mu;
+  static std::map<int, int> cache;
+  int dev = 0;
+#if DS_HIP
+  ds_error_t err = hipGetDevice(&dev);
+#else
+  ds_error_t err = cudaGetDevice(&dev);
+#endif
+  if (err != DS_SUCCESS) return err;
+  const std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(dev);
+  if (it == cache.end()) {
+    int n = 0;
+#if DS_HIP
+    err = hipDeviceGetAttribute(&n, hipDeviceAttributeMultiprocessorCount, dev);
+#else
+    err = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+#endif
+    if (err != DS_SUCCESS) return err;
+    it = cache.emplace(dev, n).first;
+  }
+  *count = it->second;
+  return DS_SUCCESS;
+}
+
 // Every kernel goes through here: one place for launch attributes and the error check.
 template <typename... KArgs, typename... Args>
 inline ds_error_t launch(void (*kernel)(KArgs...), dim3 grid, int threads, ds_stream_t stream,

@@ -15,6 +15,41 @@ constexpr int kPrefillTile = 32;  // tokens per thread in the prefill output ker
 template <typename T>
 struct Vec { static constexpr int kN = 16 / sizeof(T); };  // channels per thread (16 bytes)
 
+// N consecutive elements of T kept as they sit in memory, in 32-bit words (two 16-bit values a
+// word): windows, inputs and weights stay packed in registers until an fma needs them, which
+// halves their registers for bf16/f16 (the step kernel held all of them as floats: 90
+// registers, 5 blocks per SM; session 8) and makes window shifts and commits plain word moves.
+template <typename T, int N>
+struct Packed {
+  static_assert((N * sizeof(T)) % 8 == 0, "packed rows move whole 8-byte words");
+  static constexpr int kWords = N * sizeof(T) / 4;
+  uint32_t w[kWords];
+
+  DS_DEVICE void load(const T* __restrict__ p) {
+#pragma unroll
+    for (int i = 0; i < kWords / 2; ++i) {
+      const uint2 x = reinterpret_cast<const uint2*>(p)[i];
+      w[2 * i] = x.x;
+      w[2 * i + 1] = x.y;
+    }
+  }
+  DS_DEVICE void store(T* __restrict__ p) const {
+#pragma unroll
+    for (int i = 0; i < kWords / 2; ++i)
+      reinterpret_cast<uint2*>(p)[i] = make_uint2(w[2 * i], w[2 * i + 1]);
+  }
+  // Element i as float: the same value load_vec gives (to_float of the stored bits).
+  DS_DEVICE float get(int i) const {
+    if constexpr (sizeof(T) == 4) {
+      return __uint_as_float(w[i]);
+    } else {
+      T e;
+      e.bits = static_cast<uint16_t>(i % 2 ? w[i / 2] >> 16 : w[i / 2] & 0xffffu);
+      return to_float(e);
+    }
+  }
+};
+
 struct ConvParams {
   const void* x;            // update [N, D] / verify, commit [N, R, D] / prefill [T, D]; dense rows
   const void* weight;       // [D, W] T
@@ -27,51 +62,45 @@ struct ConvParams {
   const int32_t* track_slots;    // prefill: [N] or null (slot 0 = no tracking)
   void* y;                  // same shape as x, dense
   int64_t x_row_stride;     // elements between consecutive x rows (>= D)
+  int64_t S;                // slots in conv_state
+  int rows_per_thread;      // update / verify: rows one thread runs (1..R; the launch sets it)
   int N, R, T, D;
 };
 
 template <typename T, int W>
+using Window = Packed<T, Vec<T>::kN>[W - 1];  // rows 0 .. W-2 (oldest first) of VEC channels
+
+template <typename T, int W>
 struct Channels {  // the VEC channels [c0, c0 + VEC) of one thread
   static constexpr int kN = Vec<T>::kN;
-  float w[W][kN];
-  float bias[kN];
+  Packed<T, kN * W> w;  // weight[c0:c0+kN, :], as stored: channel c's tap i at c * W + i
+  Packed<T, kN> bias;
+  bool has_bias;
 
   DS_DEVICE void load(const ConvParams& p, int c0) {
-    float flat[kN * W];  // weight[c0:c0+kN, :] is kN * W contiguous elements
-    load_vec<T, kN * W>(static_cast<const T*>(p.weight) + int64_t(c0) * W, flat);
-#pragma unroll
-    for (int c = 0; c < kN; ++c)
-#pragma unroll
-      for (int i = 0; i < W; ++i) w[i][c] = flat[c * W + i];
-    if (p.bias != nullptr) {
-      load_vec<T, kN>(static_cast<const T*>(p.bias) + c0, bias);
-    } else {
-#pragma unroll
-      for (int c = 0; c < kN; ++c) bias[c] = 0.f;
-    }
+    w.load(static_cast<const T*>(p.weight) + int64_t(c0) * W);
+    has_bias = p.bias != nullptr;
+    if (has_bias) bias.load(static_cast<const T*>(p.bias) + c0);
   }
 
-  // z[0..W-2] the window (oldest first), xn the new input -> y; the one arithmetic path.
-  DS_DEVICE void point(const float (&z)[W - 1][kN], const float (&xn)[kN], float (&y)[kN]) const {
+  // z the window (oldest first), xn the new input -> y; the one arithmetic path.
+  DS_DEVICE void point(const Window<T, W>& z, const Packed<T, kN>& xn, float (&y)[kN]) const {
 #pragma unroll
     for (int c = 0; c < kN; ++c) {
-      float acc = bias[c];
+      float acc = has_bias ? bias.get(c) : 0.f;
 #pragma unroll
-      for (int i = 0; i < W - 1; ++i) acc = ffma(z[i][c], w[i][c], acc);
-      acc = ffma(xn[c], w[W - 1][c], acc);
+      for (int i = 0; i < W - 1; ++i) acc = ffma(z[i].get(c), w.get(c * W + i), acc);
+      acc = ffma(xn.get(c), w.get(c * W + W - 1), acc);
       y[c] = fdiv(acc, fadd(1.f, fexp(-acc)));  // silu
     }
   }
 };
 
 template <typename T, int W>
-DS_DEVICE void shift_in(float (&z)[W - 1][Vec<T>::kN], const float (&xn)[Vec<T>::kN]) {
+DS_DEVICE void shift_in(Window<T, W>& z, const Packed<T, Vec<T>::kN>& xn) {
 #pragma unroll
-  for (int i = 0; i < W - 2; ++i)
-#pragma unroll
-    for (int c = 0; c < Vec<T>::kN; ++c) z[i][c] = z[i + 1][c];
-#pragma unroll
-  for (int c = 0; c < Vec<T>::kN; ++c) z[W - 2][c] = xn[c];
+  for (int i = 0; i < W - 2; ++i) z[i] = z[i + 1];
+  z[W - 2] = xn;
 }
 
 template <typename T, int W>
@@ -79,36 +108,59 @@ DS_DEVICE T* window_row(const ConvParams& p, int64_t slot, int i, int c0) {
   return static_cast<T*>(p.conv_state) + (slot * (W - 1) + i) * int64_t(p.D) + c0;
 }
 
-// update (R = 1, window written) and verify (R rows, window read only).
-template <typename T, int W, bool VERIFY>
-__global__ void __launch_bounds__(kThreads) step_kernel(const ConvParams p) {
+// Input i of request n's sequence (window ++ x): window row i for i < W-1, else x row i-(W-1).
+template <typename T, int W>
+DS_DEVICE const T* input_row(const ConvParams& p, int64_t slot, int n, int i, int c0) {
+  if (i < W - 1) return window_row<T, W>(p, slot, i, c0);
+  return static_cast<const T*>(p.x) + (int64_t(n) * p.R + (i - (W - 1))) * p.x_row_stride + c0;
+}
+
+// update (R = 1, window written) and verify (R rows, window read only). A thread owns VEC
+// channels of rows [r0, r0 + rows_per_thread) of one request: verify's rows depend only on the
+// inputs (window ++ x), not on each other, so with few requests they are split over threads
+// (row r's window is inputs r .. r+W-2): at B = 1 one thread running all R rows' fma chains and
+// divisions in turn took 3.8 us for R = 4 against 1.7 for one row (session 8).
+// Grid (1-D): (request, row split, channel chunk), chunks fastest.
+template <typename T, int W, bool VERIFY, bool CAPPED>
+__global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, CAPPED ? 8 : 1)
+    step_kernel(const ConvParams p) {
   // gdn_decode / gdn_verify follow this kernel in a model step; they are launched with PDL and
   // prefetch their state rows while it runs (compat.cuh).
   launch_dependents();
   constexpr int kN = Vec<T>::kN;
   const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   const int per_row = p.D / kN;
-  if (idx >= int64_t(p.N) * per_row) return;
-  const int n = static_cast<int>(idx / per_row);
+  const int R = VERIFY ? p.R : 1, rows = VERIFY ? p.rows_per_thread : 1;
+  const int splits = VERIFY ? static_cast<int>(ceil_div(R, rows)) : 1;
+  if (idx >= int64_t(p.N) * splits * per_row) return;
   const int c0 = static_cast<int>(idx % per_row) * kN;
+  const int64_t ns = idx / per_row;
+  const int n = static_cast<int>(ns / splits);
+  const int r0 = static_cast<int>(ns % splits) * rows;
+  const int r1 = r0 + rows < R ? r0 + rows : R;
   // This kernel is launched with PDL too: the weights (written when the model loads, never by a
-  // kernel of a step) are read while the previous kernel finishes; slots, windows and x after.
+  // kernel of a step) are read while the previous kernel finishes, and the window rows are
+  // prefetched into L2 from the slot read now (clamped: it may be stale, compat.cuh); slots,
+  // windows and x are read after the wait.
   Channels<T, W> ch;
   ch.load(p, c0);
+  {
+    const int64_t g = p.slots[n];
+    const int64_t guess = g < 0 ? 0 : (g >= p.S ? p.S - 1 : g);
+    if ((c0 * int(sizeof(T))) % 128 == 0) {  // one prefetch per 128-byte line
+      for (int i = r0; i < W - 1; ++i) prefetch_l2(window_row<T, W>(p, guess, i, c0));
+    }
+  }
   grid_dependency_wait();
-  // The first input row is loaded before the slot lookup and the window loads that wait on it.
-  // (Loading verify's rows four ahead instead lost 5-20%, more registers: session 5.)
-  const auto x_row = [&](int r) {
-    return static_cast<const T*>(p.x) + (int64_t(n) * p.R + r) * p.x_row_stride + c0;
-  };
-  float xn[kN];
-  if (p.R > 0) load_vec<T, kN>(x_row(0), xn);
+  // The first row's input is loaded before the slot lookup and the window loads that wait on it.
+  Packed<T, kN> xn;
+  xn.load(input_row<T, W>(p, 0, n, r0 + W - 1, c0));
   const int64_t slot = p.slots[n];
-  float z[W - 1][kN];
+  Window<T, W> z;
 #pragma unroll
-  for (int i = 0; i < W - 1; ++i) load_vec<T, kN>(window_row<T, W>(p, slot, i, c0), z[i]);
-  for (int r = 0; r < p.R; ++r) {
-    if (r > 0) load_vec<T, kN>(x_row(r), xn);
+  for (int i = 0; i < W - 1; ++i) z[i].load(input_row<T, W>(p, slot, n, r0 + i, c0));
+  for (int r = r0; r < r1; ++r) {
+    if (r > r0) xn.load(input_row<T, W>(p, 0, n, r + W - 1, c0));
     float y[kN];
     ch.point(z, xn, y);
     store_vec<T, kN>(static_cast<T*>(p.y) + (int64_t(n) * p.R + r) * p.D + c0, y);
@@ -116,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const ConvParams p) {
   }
   if constexpr (!VERIFY) {
 #pragma unroll
-    for (int i = 0; i < W - 1; ++i) store_vec<T, kN>(window_row<T, W>(p, slot, i, c0), z[i]);
+    for (int i = 0; i < W - 1; ++i) z[i].store(window_row<T, W>(p, slot, i, c0));
   }
 }
 
@@ -133,19 +185,19 @@ __global__ void __launch_bounds__(kThreads) commit_kernel(const ConvParams p) {
   m = m < 0 ? 0 : (m > p.R ? p.R : m);
   if (m == 0) return;
   const int64_t slot = p.slots[n];
-  float z[W - 1][kN];
+  Window<T, W> z;
 #pragma unroll
   for (int i = 0; i < W - 1; ++i) {
     const int src = m + i;  // index into window ++ x
     if (src < W - 1) {
-      load_vec<T, kN>(window_row<T, W>(p, slot, src, c0), z[i]);
+      z[i].load(window_row<T, W>(p, slot, src, c0));
     } else {
       const int64_t xr = int64_t(n) * p.R + (src - (W - 1));
-      load_vec<T, kN>(static_cast<const T*>(p.x) + xr * p.x_row_stride + c0, z[i]);
+      z[i].load(static_cast<const T*>(p.x) + xr * p.x_row_stride + c0);
     }
   }
 #pragma unroll
-  for (int i = 0; i < W - 1; ++i) store_vec<T, kN>(window_row<T, W>(p, slot, i, c0), z[i]);
+  for (int i = 0; i < W - 1; ++i) z[i].store(window_row<T, W>(p, slot, i, c0));
 }
 
 // Sequence holding packed token t: the last i with cu_seqlens[i] <= t (skips empty sequences).
@@ -161,11 +213,11 @@ DS_DEVICE int find_sequence(const int32_t* cu, int n, int t) {
 // Input at position pos (start - (W-1) <= pos) of sequence seq: from x, or from its window.
 template <typename T, int W>
 DS_DEVICE void load_input(const ConvParams& p, int seq, int start, int pos, int c0,
-                          float (&out)[Vec<T>::kN]) {
+                          Packed<T, Vec<T>::kN>& out) {
   if (pos >= start) {
-    load_vec<T, Vec<T>::kN>(static_cast<const T*>(p.x) + int64_t(pos) * p.x_row_stride + c0, out);
+    out.load(static_cast<const T*>(p.x) + int64_t(pos) * p.x_row_stride + c0);
   } else {
-    load_vec<T, Vec<T>::kN>(window_row<T, W>(p, p.slots[seq], (W - 1) - (start - pos), c0), out);
+    out.load(window_row<T, W>(p, p.slots[seq], (W - 1) - (start - pos), c0));
   }
 }
 
@@ -185,7 +237,7 @@ __global__ void __launch_bounds__(kThreads) prefill_out_kernel(const ConvParams 
   ch.load(p, c0);
   int seq = find_sequence(p.cu_seqlens, p.N, t0);
   int start = p.cu_seqlens[seq], end = p.cu_seqlens[seq + 1];
-  float z[W - 1][kN];
+  Window<T, W> z;
 #pragma unroll
   for (int i = 0; i < W - 1; ++i) load_input<T, W>(p, seq, start, t0 - (W - 1) + i, c0, z[i]);
   for (int t = t0; t < t1; ++t) {
@@ -196,8 +248,9 @@ __global__ void __launch_bounds__(kThreads) prefill_out_kernel(const ConvParams 
 #pragma unroll
       for (int i = 0; i < W - 1; ++i) load_input<T, W>(p, seq, start, t - (W - 1) + i, c0, z[i]);
     }
-    float xn[kN], y[kN];
-    load_vec<T, kN>(static_cast<const T*>(p.x) + int64_t(t) * p.x_row_stride + c0, xn);
+    Packed<T, kN> xn;
+    float y[kN];
+    xn.load(static_cast<const T*>(p.x) + int64_t(t) * p.x_row_stride + c0);
     ch.point(z, xn, y);
     store_vec<T, kN>(static_cast<T*>(p.y) + int64_t(t) * p.D + c0, y);
     shift_in<T, W>(z, xn);
@@ -217,7 +270,7 @@ __global__ void __launch_bounds__(kThreads) prefill_windows_kernel(const ConvPar
   const int start = p.cu_seqlens[seq], end = p.cu_seqlens[seq + 1];
   const bool track = p.track_slots != nullptr && p.track_slots[seq] != 0;
   const int tracked_end = track ? start + p.track_offsets[seq] : end;
-  float fin[W - 1][kN], trk[W - 1][kN];
+  Window<T, W> fin, trk;
 #pragma unroll
   for (int i = 0; i < W - 1; ++i) {
     load_input<T, W>(p, seq, start, end - (W - 1) + i, c0, fin[i]);
@@ -225,19 +278,38 @@ __global__ void __launch_bounds__(kThreads) prefill_windows_kernel(const ConvPar
   }
   const int64_t slot = p.slots[seq];
 #pragma unroll
-  for (int i = 0; i < W - 1; ++i) store_vec<T, kN>(window_row<T, W>(p, slot, i, c0), fin[i]);
+  for (int i = 0; i < W - 1; ++i) fin[i].store(window_row<T, W>(p, slot, i, c0));
   if (track) {
     const int64_t tslot = p.track_slots[seq];
 #pragma unroll
-    for (int i = 0; i < W - 1; ++i) store_vec<T, kN>(window_row<T, W>(p, tslot, i, c0), trk[i]);
+    for (int i = 0; i < W - 1; ++i) trk[i].store(window_row<T, W>(p, tslot, i, c0));
   }
 }
 
+// Verify's launch shape, measured on the H200 at D = 8192, R = 4 (RESULTS.md, session 8):
+//  - rows split over threads (rows_per_thread 1) while the unsplit grid is under 2 blocks per
+//    multiprocessor: B = 1 / 8 / 32 took 2.0 / 2.8 / 4.9 us split, 4.3 / 4.7 / 6.6 not;
+//    at B = 64 splitting cost 16% (more blocks than fit at once, each loading 4 input rows);
+//  - a cap of 8 blocks per SM (64 registers, a 4-byte spill) once the grid is over 4 blocks
+//    per multiprocessor: B = 256 / 512 took 20.9 / 38.8 us capped, 27.8 / 50.3 not (87
+//    registers, 5 blocks per SM); below that the cap only slowed each thread (B = 64: 8.2
+//    capped, 7.2 not).
+// Update needs neither: one row, 60 registers unforced.
 template <typename T, int W>
-inline ds_error_t launch_conv_step(const ConvParams& p, bool verify, ds_stream_t stream) {
-  const int64_t blocks = ceil_div(int64_t(p.N) * (p.D / Vec<T>::kN), kThreads);
-  return verify ? launch(step_kernel<T, W, true>, blocks, kThreads, stream, Pdl::kOn, p)
-                : launch(step_kernel<T, W, false>, blocks, kThreads, stream, Pdl::kOn, p);
+inline ds_error_t launch_conv_step(ConvParams p, bool verify, ds_stream_t stream) {
+  const int64_t chunks = int64_t(p.N) * (p.D / Vec<T>::kN);  // threads with all rows each
+  p.rows_per_thread = 1;
+  if (!verify)
+    return launch(step_kernel<T, W, false, false>, ceil_div(chunks, kThreads), kThreads, stream,
+                  Pdl::kOn, p);
+  int sms = 0;
+  const ds_error_t err = multiprocessor_count(&sms);
+  if (err != DS_SUCCESS) return err;
+  if (ceil_div(chunks, kThreads) >= 2 * int64_t(sms)) p.rows_per_thread = p.R > 0 ? p.R : 1;
+  const int64_t blocks = ceil_div(chunks * ceil_div(p.R, p.rows_per_thread), kThreads);
+  return blocks > 4 * int64_t(sms)
+             ? launch(step_kernel<T, W, true, true>, blocks, kThreads, stream, Pdl::kOn, p)
+             : launch(step_kernel<T, W, true, false>, blocks, kThreads, stream, Pdl::kOn, p);
 }
 
 template <typename T, int W>

@@ -48,6 +48,7 @@ ds::conv::ConvParams conv_params(const at::Tensor& x, const at::Tensor& weight,
   }
   p.x = x.data_ptr(); p.weight = weight.data_ptr(); p.conv_state = conv_state.data_ptr();
   p.slots = slots.data_ptr<int32_t>();
+  p.S = conv_state.size(0);
   p.x_row_stride = x.dim() > 1 ? x.stride(-2) : D;
   p.D = static_cast<int>(D);
   return p;

@@ -57,12 +57,15 @@ def test_update_matches_the_reference_with_shuffled_and_padding_slots(n, dtype):
 
 @pytest.mark.parametrize("rows", [1, 4, 8])
 @pytest.mark.parametrize("bias_on", [True, False])
-def test_verify_equals_stepwise_updates_bitwise_and_leaves_windows_untouched(rows, bias_on):
-    n, d = 37, 2048
-    gen, weight, bias, state = _setup(d, 64, torch.bfloat16, seed=rows)
+# verify's four launch shapes on a 132-SM H200 at d = 2048 (conv1d.cuh): rows split over threads
+# (n = 3, 100) or not (200, 1024), register-capped (100, 1024) or not (3, 200)
+@pytest.mark.parametrize("n", [3, 100, 200, 1024])
+def test_verify_equals_stepwise_updates_bitwise_and_leaves_windows_untouched(rows, bias_on, n):
+    d = 2048
+    gen, weight, bias, state = _setup(d, n + 1, torch.bfloat16, seed=rows)
     bias = bias if bias_on else None
     x = torch.randn(n, rows, d, generator=gen).bfloat16().to(DEV)
-    slots = _slots(n, 64, seed=2)
+    slots = _slots(n, n + 1, seed=2)
     before = state.clone()
     y = causal_conv1d_verify(x, weight, bias, state, slots)
     assert torch.equal(state, before)
