@@ -166,7 +166,14 @@ DS_DEVICE void launch_dependents() {
 DS_DEVICE void prefetch_l2(const void* p) {
 #if !DS_HIP && defined(__CUDA_ARCH__)
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;
 #endif
+}
+// A slot index read before the wait, for aiming prefetches: it may be stale or garbage, so it
+// is clamped into the pool's [0, S) (S >= 1).
+DS_DEVICE int64_t clamp_slot(int64_t slot, int64_t S) {
+  return slot < 0 ? 0 : (slot >= S ? S - 1 : slot);
 }
 
 // ---- launch ----------------------------------------------------------------------------------
@@ -195,15 +202,20 @@ inline bool pdl_ready(const void* kernel) {
   auto it = cache.find(key);
   if (it == cache.end()) {
     cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) return false;
+    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+      (void)cudaGetLastError();  // not left for the next launch's check to report
+      return false;
+    }
     it = cache.emplace(key, attr.ptxVersion >= 90).first;
   }
   return it->second;
 }
 #endif
 
-// Multiprocessors (CUDA SMs, HIP CUs) of the current device, for launch heuristics stated in
-// blocks per multiprocessor. Cached per device; a failed query is returned, not cached.
+// Multiprocessors of the current device (CUDA: SMs; HIP: what the runtime reports, which on
+// RDNA in WGP mode is WGPs of 2 CUs each, 20 on gfx1151), for launch heuristics stated in blocks
+// per multiprocessor. Cached per device. A failed query is returned, not cached, and cleared
+// from the runtime's last error so that the next launch's check does not report it.
 inline ds_error_t multiprocessor_count(int* count) {
   static std::mutex mu;
   static std::map<int, int> cache;
@@ -213,7 +225,10 @@ inline ds_error_t multiprocessor_count(int* count) {
 #else
   ds_error_t err = cudaGetDevice(&dev);
 #endif
-  if (err != DS_SUCCESS) return err;
+  if (err != DS_SUCCESS) {
+    (void)ds_get_last_error();
+    return err;
+  }
   const std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(dev);
   if (it == cache.end()) {
@@ -223,7 +238,10 @@ inline ds_error_t multiprocessor_count(int* count) {
 #else
     err = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
 #endif
-    if (err != DS_SUCCESS) return err;
+    if (err != DS_SUCCESS) {
+      (void)ds_get_last_error();
+      return err;
+    }
     it = cache.emplace(dev, n).first;
   }
   *count = it->second;

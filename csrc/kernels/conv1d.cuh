@@ -17,8 +17,9 @@ struct Vec { static constexpr int kN = 16 / sizeof(T); };  // channels per threa
 
 // N consecutive elements of T kept as they sit in memory, in 32-bit words (two 16-bit values a
 // word): windows, inputs and weights stay packed in registers until an fma needs them, which
-// halves their registers for bf16/f16 (the step kernel held all of them as floats: 90
-// registers, 5 blocks per SM; session 8) and makes window shifts and commits plain word moves.
+// halves their registers for bf16/f16 and makes window shifts and commits plain word moves.
+// Held as floats, bf16 update took 78 registers (6 blocks per SM), packed 60 (8); verify 90 and
+// 87 (5 blocks per SM either way: the launch caps it where that matters; session 8).
 template <typename T, int N>
 struct Packed {
   static_assert((N * sizeof(T)) % 8 == 0, "packed rows move whole 8-byte words");
@@ -118,8 +119,8 @@ DS_DEVICE const T* input_row(const ConvParams& p, int64_t slot, int n, int i, in
 // update (R = 1, window written) and verify (R rows, window read only). A thread owns VEC
 // channels of rows [r0, r0 + rows_per_thread) of one request: verify's rows depend only on the
 // inputs (window ++ x), not on each other, so with few requests they are split over threads
-// (row r's window is inputs r .. r+W-2): at B = 1 one thread running all R rows' fma chains and
-// divisions in turn took 3.8 us for R = 4 against 1.7 for one row (session 8).
+// (row r's window is inputs r .. r+W-2): at B = 1 and R = 4, one thread running all R rows'
+// fma chains and divisions in turn took 4.33 us, one row per thread 2.04 (session 8).
 // Grid (1-D): (request, row split, channel chunk), chunks fastest.
 template <typename T, int W, bool VERIFY, bool CAPPED>
 __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, CAPPED ? 8 : 1)
@@ -145,10 +146,11 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, CAPPED ? 8 : 1)
   Channels<T, W> ch;
   ch.load(p, c0);
   {
-    const int64_t g = p.slots[n];
-    const int64_t guess = g < 0 ? 0 : (g >= p.S ? p.S - 1 : g);
-    if ((c0 * int(sizeof(T))) % 128 == 0) {  // one prefetch per 128-byte line
-      for (int i = r0; i < W - 1; ++i) prefetch_l2(window_row<T, W>(p, guess, i, c0));
+    const int64_t guess = clamp_slot(p.slots[n], p.S);
+    for (int i = r0; i < W - 1; ++i) {
+      const T* row = window_row<T, W>(p, guess, i, c0);
+      // one prefetch per 128-byte line: by the thread whose 16 bytes start it
+      if (reinterpret_cast<uintptr_t>(row) % 128 == 0) prefetch_l2(row);
     }
   }
   grid_dependency_wait();
@@ -286,15 +288,17 @@ __global__ void __launch_bounds__(kThreads) prefill_windows_kernel(const ConvPar
   }
 }
 
-// Verify's launch shape, measured on the H200 at D = 8192, R = 4 (RESULTS.md, session 8):
+// Verify's launch shape, measured on the H200 at D = 8192, R = 4, bf16 (RESULTS.md, session 8):
 //  - rows split over threads (rows_per_thread 1) while the unsplit grid is under 2 blocks per
-//    multiprocessor: B = 1 / 8 / 32 took 2.0 / 2.8 / 4.9 us split, 4.3 / 4.7 / 6.6 not;
+//    multiprocessor: B = 1 / 8 / 32 took 2.08 / 2.80 / 4.91 us split, 4.33 / 4.68 / 6.58 not;
 //    at B = 64 splitting cost 16% (more blocks than fit at once, each loading 4 input rows);
-//  - a cap of 8 blocks per SM (64 registers, a 4-byte spill) once the grid is over 4 blocks
-//    per multiprocessor: B = 256 / 512 took 20.9 / 38.8 us capped, 27.8 / 50.3 not (87
-//    registers, 5 blocks per SM); below that the cap only slowed each thread (B = 64: 8.2
-//    capped, 7.2 not).
-// Update needs neither: one row, 60 registers unforced.
+//  - a cap of 8 blocks per SM (64 registers; bf16 spills 4 bytes, f16 12, fp32 none) once the
+//    grid is over 4 blocks per multiprocessor: B = 256 / 512 took 20.9 / 38.8 us capped,
+//    27.8 / 50.3 not (87 registers, 5 blocks per SM); below that the cap only slowed each
+//    thread (B = 64: 8.2 capped, 7.2 not).
+// Both shapes are correct for any grid, so if the multiprocessor count cannot be read the
+// launch takes the large-grid shape (unsplit, capped). Update needs neither: one row, 60
+// registers unforced.
 template <typename T, int W>
 inline ds_error_t launch_conv_step(ConvParams p, bool verify, ds_stream_t stream) {
   const int64_t chunks = int64_t(p.N) * (p.D / Vec<T>::kN);  // threads with all rows each
@@ -303,8 +307,7 @@ inline ds_error_t launch_conv_step(ConvParams p, bool verify, ds_stream_t stream
     return launch(step_kernel<T, W, false, false>, ceil_div(chunks, kThreads), kThreads, stream,
                   Pdl::kOn, p);
   int sms = 0;
-  const ds_error_t err = multiprocessor_count(&sms);
-  if (err != DS_SUCCESS) return err;
+  if (multiprocessor_count(&sms) != DS_SUCCESS) sms = 0;
   if (ceil_div(chunks, kThreads) >= 2 * int64_t(sms)) p.rows_per_thread = p.R > 0 ? p.R : 1;
   const int64_t blocks = ceil_div(chunks * ceil_div(p.R, p.rows_per_thread), kThreads);
   return blocks > 4 * int64_t(sms)

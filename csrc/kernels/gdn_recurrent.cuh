@@ -186,8 +186,7 @@ DS_DEVICE void run_rows(const RecurrentParams& p, const RowSmem<K, VROWS, CH, tr
 // gdn_decode also aims its first state load (after the wait) with it, and loads again if the
 // slot read after the wait differs.
 DS_DEVICE int64_t guess_slot(const RecurrentParams& p, int n) {
-  const int64_t guess = p.slots[n];
-  return guess < 0 ? 0 : (guess >= p.S ? p.S - 1 : guess);
+  return clamp_slot(p.slots[n], p.S);
 }
 
 // A verify block with several tiles stages v and the gates of all of them at once: at most

@@ -71,9 +71,9 @@ inline ds_error_t launch_snapshot_copy(const SnapshotCopyParams& p, ds_stream_t 
   const int unit = bits % 16 == 0 ? 16 : bits % 4 == 0 ? 4 : 1;
   const int64_t tiles = p.layers * p.n_pairs * ceil_div(p.width / unit, kThreads * kUnroll);
   if (tiles == 0) return DS_SUCCESS;
-  // One block per tile: back to back, 8 slots x 48 layers at Qwen3-Next shapes moved 3,958
-  // GB/s (93% of copy) against 3,751 (88%) with 4 resident blocks per SM taking tiles
-  // grid-stride (session 8): a block's stores then waited on its next loads.
+  // One block per tile: back to back, 8 slots x 48 layers at Qwen3-Next shapes moved 92.8% of
+  // copy bandwidth, against 87.8-88.2% with 4, 8, 16 or 32 resident blocks per SM taking tiles
+  // grid-stride (RESULTS.md, session 8; 16-byte units, the only ones measured).
   const int64_t blocks = tiles < kMaxBlocks ? tiles : kMaxBlocks;
   if (unit == 16) return launch(copy_kernel<uint4>, blocks, kThreads, stream, Pdl::kOff, p);
   if (unit == 4) return launch(copy_kernel<uint32_t>, blocks, kThreads, stream, Pdl::kOff, p);

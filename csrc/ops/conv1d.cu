@@ -38,12 +38,17 @@ ds::conv::ConvParams conv_params(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(conv_state.data_ptr()) % 16 == 0,
               "deltaserve: weight and conv_state must be 16-byte aligned");
+  // the kernels aim their pre-wait prefetches at a slot clamped into [0, S)
+  TORCH_CHECK(conv_state.size(0) > 0 || slots.numel() == 0,
+              "deltaserve: conv_state has no slots");
   ds::conv::ConvParams p{};
   if (bias.has_value()) {
     check_cuda(*bias, "bias");
     check_dtype(*bias, x.scalar_type(), "bias (x's dtype)");
     check_dense(*bias, "bias");
     TORCH_CHECK(bias->numel() == D, "deltaserve: bias must be [D]");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(bias->data_ptr()) % 16 == 0,
+                "deltaserve: bias must be 16-byte aligned");
     p.bias = bias->data_ptr();
   }
   p.x = x.data_ptr(); p.weight = weight.data_ptr(); p.conv_state = conv_state.data_ptr();
@@ -144,6 +149,8 @@ void conv_commit(const at::Tensor& x, const at::Tensor& conv_state, const at::Te
   TORCH_CHECK(x.size(2) % vec == 0, "deltaserve: conv_dim must be a multiple of the vector width "
               "(8 elements for 16-bit dtypes, 4 for fp32)");
   check_rows(x, 1, vec, "x");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(conv_state.data_ptr()) % 16 == 0,
+              "deltaserve: conv_state must be 16-byte aligned");
   ds::conv::ConvParams p{};
   p.x = x.data_ptr(); p.conv_state = conv_state.data_ptr();
   p.slots = slots.data_ptr<int32_t>(); p.accepted = accepted.data_ptr<int32_t>();

@@ -40,7 +40,7 @@ def _slots(n, num_slots, seed, pad_every=0):
 
 
 @pytest.mark.parametrize("n", [1, 8, 300, 1024])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_update_matches_the_reference_with_shuffled_and_padding_slots(n, dtype):
     d = 8192 if n <= 300 else 1024
     gen, weight, bias, state = _setup(d, n + 1, dtype, seed=n)
@@ -55,16 +55,27 @@ def test_update_matches_the_reference_with_shuffled_and_padding_slots(n, dtype):
     assert torch.equal(state[1:], ref[1:])
 
 
+def _verify_shape_requests(shape: str, dtype: torch.dtype, d: int) -> int:
+    """Requests that put verify with R >= 4 in one of its four launch shapes (conv1d.cuh,
+    launch_conv_step): its rows split over threads while the unsplit grid is under 2 blocks
+    per multiprocessor, and its registers capped once the grid is over 4."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    per_req = d // (16 // dtype.itemsize) // 128  # unsplit blocks of 128 threads per request
+    return {"split": 3, "split_capped": 3 * sms // (2 * per_req), "whole": 3 * sms // per_req,
+            "whole_capped": 6 * sms // per_req}[shape]
+
+
 @pytest.mark.parametrize("rows", [1, 4, 8])
 @pytest.mark.parametrize("bias_on", [True, False])
-# verify's four launch shapes on a 132-SM H200 at d = 2048 (conv1d.cuh): rows split over threads
-# (n = 3, 100) or not (200, 1024), register-capped (100, 1024) or not (3, 200)
-@pytest.mark.parametrize("n", [3, 100, 200, 1024])
-def test_verify_equals_stepwise_updates_bitwise_and_leaves_windows_untouched(rows, bias_on, n):
+@pytest.mark.parametrize("shape", ["split", "split_capped", "whole", "whole_capped"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_verify_equals_stepwise_updates_bitwise_and_leaves_windows_untouched(rows, bias_on, shape,
+                                                                            dtype):
     d = 2048
-    gen, weight, bias, state = _setup(d, n + 1, torch.bfloat16, seed=rows)
+    n = _verify_shape_requests(shape, dtype, d)
+    gen, weight, bias, state = _setup(d, n + 1, dtype, seed=rows)
     bias = bias if bias_on else None
-    x = torch.randn(n, rows, d, generator=gen).bfloat16().to(DEV)
+    x = torch.randn(n, rows, d, generator=gen).to(dtype).to(DEV)
     slots = _slots(n, n + 1, seed=2)
     before = state.clone()
     y = causal_conv1d_verify(x, weight, bias, state, slots)
