@@ -1,8 +1,10 @@
-"""The Req length bookkeeping."""
+"""The Req length bookkeeping; SamplingParams normalisation and validation."""
 
 from __future__ import annotations
 
-from deltaserve.core import Req, SamplingParams
+import pytest
+
+from deltaserve.core import MAX_STOP_CHARS, MAX_STOP_STRINGS, Req, SamplingParams
 
 
 def test_req_tokens_slices_prompt_and_output_like_all_ids():
@@ -11,3 +13,17 @@ def test_req_tokens_slices_prompt_and_output_like_all_ids():
         for end in range(start, 6):
             assert req.tokens(start, end) == req.all_ids[start:end]
     assert req.num_tokens == len(req.all_ids) == 5
+
+
+def test_sampling_params_take_one_stop_string_or_none_and_refuse_wrong_types():
+    assert SamplingParams(stop="turn").stop == ["turn"]
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == []
+    bad = [dict(temperature="0"), dict(temperature=None), dict(max_tokens=True),
+           dict(max_tokens=4.0), dict(top_k=True), dict(top_p="1"), dict(seed=1.5),
+           dict(stop=[""]), dict(stop=[1]), dict(stop=["x"] * (MAX_STOP_STRINGS + 1)),
+           dict(stop=["x" * (MAX_STOP_CHARS + 1)]), dict(stop_token_ids=[True]),
+           dict(ignore_eos=1)]
+    for kwargs in bad:
+        with pytest.raises(ValueError):
+            SamplingParams(**kwargs).validate()
+    SamplingParams(stop=["x"] * MAX_STOP_STRINGS, temperature=1, top_p=1).validate()

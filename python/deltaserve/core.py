@@ -40,11 +40,31 @@ class Phase(enum.Enum):
     VERIFY = "verify"
 
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): logits divided by 1e-38 or less
+# overflow fp32 to inf, and the softmax then has no valid distribution.
+SAMPLING_EPS = 1e-5
+# At most this many stop strings of at most this many characters: the stop check and the
+# hold-back of text that may start a stop string run over every stop string for every token
+# (100,000 stop strings slowed every other request in the batch tenfold).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling and stopping rules (the OpenAI / vLLM fields).
 
-    `temperature == 0` (or `top_k == 1`) is greedy. `top_k <= 0` disables top-k.
+    `temperature` below SAMPLING_EPS (0 included), or `top_k == 1`, is greedy. `top_k <= 0`
+    disables top-k. `stop` may be one string or a list of them (as in the OpenAI API); None
+    means none.
     Penalties follow vLLM: presence/frequency are subtracted from logits of generated tokens,
     repetition (> 1 penalises) divides positive / multiplies negative logits of prompt and
     generated tokens (CTRL, Keskar et al. 2019, eq. 2).
@@ -63,30 +83,52 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise ValueError naming the first bad field (a wrong type included)."""
+        num = _is_number
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be >= 1"),
-            (math.isfinite(self.temperature) and self.temperature >= 0.0,
-             "temperature must be a finite number >= 0"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= -1, "top_k must be -1, 0 or >= 1"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
-            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
-            (self.seed is None or valid_seed(self.seed),
+            (lambda: _is_int(self.max_tokens) and self.max_tokens >= 1,
+             "max_tokens must be an integer >= 1"),
+            (lambda: num(self.temperature) and math.isfinite(self.temperature)
+             and self.temperature >= 0.0, "temperature must be a finite number >= 0"),
+            # fp32 sampling: a top_p that rounds to 0 there still keeps the most likely token
+            (lambda: num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (lambda: _is_int(self.top_k) and self.top_k >= -1, "top_k must be -1, 0 or >= 1"),
+            (lambda: num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (lambda: num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+             "presence_penalty must be in [-2, 2]"),
+            (lambda: num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+             "frequency_penalty must be in [-2, 2]"),
+            (lambda: num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+             "repetition_penalty must be in (0, 10]"),
+            (lambda: self.seed is None or (_is_int(self.seed) and valid_seed(self.seed)),
              "seed must be an integer in [-2**63, 2**64) (torch.Generator's range)"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            (lambda: isinstance(self.stop, list)
+             and all(isinstance(s, str) and s for s in self.stop),
+             "stop must be a non-empty string or a list of them"),
+            (lambda: len(self.stop) <= MAX_STOP_STRINGS
+             and all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+             f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+             "characters"),
+            (lambda: isinstance(self.stop_token_ids, list)
+             and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),
+            (lambda: isinstance(self.ignore_eos, bool), "ignore_eos must be true or false"),
         ]
         for ok, message in checks:
-            if not ok:
+            if not ok():
                 raise ValueError(message)
 
 

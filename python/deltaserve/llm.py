@@ -45,6 +45,8 @@ class LLM:
         """Generate for every prompt (text, or token id lists); outputs in prompt order.
 
         Raises ValueError for a bad prompt or bad sampling parameters before anything runs.
+        If a step fails, this call's requests are aborted (their pages and slots freed) and the
+        error is raised; the LLM stays usable.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -65,14 +67,21 @@ class LLM:
             raise
         results: dict[int, CompletionOutput] = {
             rid: CompletionOutput(ids, [], "", None, 0) for rid, ids in zip(rids, id_lists)}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                res = results[out.rid]
-                res.token_ids.extend(out.new_token_ids)
-                res.text += out.new_text
-                res.cached_tokens = out.cached_tokens
-                if out.finished:
-                    res.finish_reason = out.finish_reason
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    res = results[out.rid]
+                    res.token_ids.extend(out.new_token_ids)
+                    res.text += out.new_text
+                    res.cached_tokens = out.cached_tokens
+                    if out.finished:
+                        res.finish_reason = out.finish_reason
+        except BaseException:
+            # a failed step (or Ctrl-C) must not leave this call's requests queued: the next
+            # generate() would run them again and fail the same way
+            for rid in rids:
+                self.engine.abort(rid)
+            raise
         return [results[rid] for rid in rids]
 
     def _encode(self, prompt: str | list[int]) -> list[int]:

@@ -28,6 +28,18 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     assert torch.allclose(probs, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
 
 
+def test_temperatures_below_the_sampling_eps_are_greedy_and_tiny_top_p_keeps_the_top_token():
+    # 1e-40 used to divide logits to inf (NaN probabilities: the whole batch's step failed)
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9]] * 3)
+    rows = [row(SamplingParams(temperature=1e-40), seed=1),
+            row(SamplingParams(temperature=5e-324, repetition_penalty=1.1), seed=2),
+            row(SamplingParams(top_p=1e-50), seed=3)]  # rounds to 0 in fp32
+    assert sample_rows(logits, rows) == [1, 1, 1]
+    probs = truncated_probs(logits[0], SamplingParams(top_p=1e-50))
+    assert torch.equal(probs, torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    assert not SamplingParams(temperature=2e-5).greedy
+
+
 def test_top_k_and_min_p_truncate():
     logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
     assert torch.count_nonzero(truncated_probs(logits, SamplingParams(top_k=2))) == 2

@@ -121,7 +121,8 @@ def test_the_log_level_is_accepted_before_or_after_the_command(argv, level):
     assert build_parser().parse_args(argv).log_level == level
 
 
-@pytest.mark.parametrize("flag,value,message", [("--max-tokens", "0", "--max-tokens must be >= 1"),
+@pytest.mark.parametrize("flag,value,message", [("--max-tokens", "0",
+                                                 "--max-tokens must be an integer >= 1"),
                                                 ("--top-p", "0", "--top-p must be in"),
                                                 ("--temperature", "-1", "--temperature must")])
 def test_a_bad_sampling_flag_is_refused_before_the_model_loads(flag, value, message,

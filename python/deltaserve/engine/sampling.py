@@ -65,6 +65,7 @@ def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         cum = torch.cumsum(sorted_probs, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
         drop_sorted = (cum - sorted_probs) >= params.top_p
+        drop_sorted[0] = False  # even when top_p rounds to 0 in fp32
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0.0:

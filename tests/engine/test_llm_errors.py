@@ -1,0 +1,49 @@
+"""The offline LLM after a failed step, and sampling values at the edge of fp32."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.model.testing import make_tiny_checkpoint
+from drained import assert_drained
+
+PROMPTS = [[5, 6, 7, 8] * 10, [9, 10, 11] * 7]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("m"), "qwen3_5_text", seed=0)
+    return LLM(str(path), device="cpu", dtype="float32")
+
+
+def test_a_failed_step_aborts_the_calls_requests_and_the_llm_keeps_working(llm, monkeypatch):
+    # Found by a fresh user: the failed call's requests stayed queued, so every later
+    # generate() on the same LLM ran them again and failed the same way.
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ref = [out.token_ids for out in llm.generate(PROMPTS, params)]
+    real_step, calls = llm.engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(PROMPTS, params)
+    assert not llm.engine.has_unfinished()
+    assert [out.token_ids for out in llm.generate(PROMPTS, params)] == ref
+    assert_drained(llm.engine)
+
+
+def test_near_zero_temperature_is_greedy_and_near_zero_top_p_keeps_the_top_token(llm):
+    # 1e-40 divided the logits to inf, and a top_p of 1e-50 rounds to 0 in fp32: both made
+    # NaN probabilities, which failed the whole batch's step (HTTP 500 for every request).
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ref = [out.token_ids for out in llm.generate(PROMPTS, greedy)]
+    for params in (SamplingParams(temperature=1e-40, max_tokens=6, ignore_eos=True, seed=1),
+                   SamplingParams(top_p=1e-50, max_tokens=6, ignore_eos=True, seed=2)):
+        assert [out.token_ids for out in llm.generate(PROMPTS, params)] == ref
+    assert_drained(llm.engine)
