@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from deltaserve.core import SamplingParams
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.detokenizer import IncrementalDetokenizer, held_back
 from deltaserve.engine.sampling import SamplingRow, apply_penalties, sample_rows, truncated_probs
 
 
@@ -85,3 +87,16 @@ def test_a_stop_string_cuts_the_text_and_prefixes_are_held_back():
     assert det.take_new_text(final=True) == "y"
     assert det.text == "abExy"
 
+
+
+def test_held_back_is_the_longest_proper_prefix_of_the_stop_string_the_text_ends_with():
+    def brute(text, end, stop):
+        return next((n for n in range(min(len(stop) - 1, end), 0, -1)
+                     if text[:end].endswith(stop[:n])), 0)
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        stop = "".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 12)))
+        end = rng.randint(0, len(text))
+        assert held_back(text, end, stop) == brute(text, end, stop), (text, end, stop)

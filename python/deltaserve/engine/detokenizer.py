@@ -69,14 +69,26 @@ class IncrementalDetokenizer:
         end = len(self.text)
         if not final and not self.stopped:
             for s in self.stop:
-                for n in range(min(len(s) - 1, end), 0, -1):
-                    if self.text[:end].endswith(s[:n]):
-                        end -= n
-                        break
+                end -= held_back(self.text, end, s)
         end = max(end, self._emitted)
         new = self.text[self._emitted:end]
         self._emitted = end
         return new
+
+
+def held_back(text: str, end: int, stop: str) -> int:
+    """Length of the longest proper prefix of `stop` that text[:end] ends with (characters
+    that may still become `stop`). Only the positions where stop[0] occurs in the last
+    len(stop) - 1 characters are tried, earliest (longest) first: trying every length cost
+    4.5 ms per token for 64 stop strings of 512 characters."""
+    if len(stop) < 2:
+        return 0
+    i = text.find(stop[0], max(0, end - (len(stop) - 1)), end)
+    while i != -1:
+        if stop.startswith(text[i:end]):
+            return end - i
+        i = text.find(stop[0], i + 1, end)
+    return 0
 
 
 def _decoder(tokenizer):
