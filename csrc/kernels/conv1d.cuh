@@ -189,15 +189,7 @@ __global__ void __launch_bounds__(kThreads) commit_kernel(const ConvParams p) {
   const int64_t slot = p.slots[n];
   Window<T, W> z;
 #pragma unroll
-  for (int i = 0; i < W - 1; ++i) {
-    const int src = m + i;  // index into window ++ x
-    if (src < W - 1) {
-      z[i].load(window_row<T, W>(p, slot, src, c0));
-    } else {
-      const int64_t xr = int64_t(n) * p.R + (src - (W - 1));
-      z[i].load(static_cast<const T*>(p.x) + xr * p.x_row_stride + c0);
-    }
-  }
+  for (int i = 0; i < W - 1; ++i) z[i].load(input_row<T, W>(p, slot, n, m + i, c0));
 #pragma unroll
   for (int i = 0; i < W - 1; ++i) z[i].store(window_row<T, W>(p, slot, i, c0));
 }
