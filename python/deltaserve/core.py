@@ -113,7 +113,7 @@ class SamplingParams:
              "frequency_penalty must be in [-2, 2]"),
             (lambda: num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
              "repetition_penalty must be in (0, 10]"),
-            (lambda: self.seed is None or (_is_int(self.seed) and valid_seed(self.seed)),
+            (lambda: self.seed is None or valid_seed(self.seed),
              "seed must be an integer in [-2**63, 2**64) (torch.Generator's range)"),
             (lambda: isinstance(self.stop, list)
              and all(isinstance(s, str) and s for s in self.stop),
