@@ -3,7 +3,8 @@
 #   1. each header on its own (self-contained) and all kernel templates instantiated, with nvcc
 #      for sm_90 (device code only, -cubin);
 #   2. the same instantiation for HIP gfx1151 (wave32) with Debian's clang-19
-#      (--cuda-device-only -S, BUILD.md), installing clang-19 + HIP headers when missing.
+#      (--cuda-device-only -S, BUILD.md), installing clang-19 + HIP headers when missing;
+#   3. tests/csrc/fastdiv_check.cu built for the host with nvcc and run (FastDiv against / and %).
 # Exits non-zero on any compile error. Idempotent; about a minute on 2 cores.
 set -euo pipefail
 
@@ -56,6 +57,9 @@ if [[ -x "$NVCC" ]]; then
   "$NVCC" -std=c++17 -O3 -arch=sm_90 -cubin -Werror all-warnings -I"$ROOT/csrc" \
     "$WORK/all_kernels.cu" -o "$WORK/all_kernels.cubin" \
     && echo "ok   nvcc sm_90: all kernels" || { echo "FAIL nvcc sm_90: all kernels"; status=1; }
+  "$NVCC" -std=c++17 -O2 -I"$ROOT/csrc" "$ROOT/tests/csrc/fastdiv_check.cu" \
+    -o "$WORK/fastdiv_check" && "$WORK/fastdiv_check" \
+    || { echo "FAIL FastDiv host check"; status=1; }
 else
   echo "FAIL nvcc not found at $NVCC (set CUDA_HOME)"; status=1
 fi

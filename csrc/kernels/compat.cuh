@@ -285,6 +285,32 @@ inline ds_error_t launch(void (*kernel)(KArgs...), int64_t blocks, int threads,
 
 DS_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// n / d and n % d for a divisor fixed at launch (tiles per head, heads, block splits), as a
+// multiply-high, an add and a shift: the "round-up" method of Granlund & Montgomery, "Division
+// by invariant integers using multiplication" (PLDI 1994), section 4, with the magic number
+// computed on the host. An integer division by a run-time value is ~25 dependent instructions,
+// and gdn_verify ran three per tile (ncu, session 9, RESULTS.md).
+// Exact for 1 <= d < 2^31 and 0 <= n < 2^31.
+struct FastDiv {
+  uint32_t d = 1, magic = 1, shift = 0;  // the default divides by 1
+  FastDiv() = default;
+  explicit FastDiv(int64_t divisor) : d(static_cast<uint32_t>(divisor)) {
+    while ((uint64_t(1) << shift) < d) ++shift;  // shift = ceil(log2(d))
+    // magic = floor(2^32 (2^shift - d) / d) + 1 < 2^32, since 2^shift - d < d
+    magic = static_cast<uint32_t>(((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d)) / d + 1);
+  }
+  DS_HOST_DEVICE int div(int n) const {
+    const uint32_t u = static_cast<uint32_t>(n);
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+    const uint32_t hi = __umulhi(u, magic);
+#else
+    const uint32_t hi = static_cast<uint32_t>((uint64_t(u) * magic) >> 32);
+#endif
+    return static_cast<int>((hi + u) >> shift);  // hi + u < 2^32: hi <= u < 2^31
+  }
+  DS_HOST_DEVICE int mod(int n) const { return n - div(n) * static_cast<int>(d); }
+};
+
 }  // namespace ds
 
 #endif  // defined(__CUDACC__) || defined(__HIP__)
