@@ -47,6 +47,20 @@ struct Tile {
   static constexpr int kRows = Layout<K>::kGroups * ROWS;
 };
 
+// A work tile of a key head's G * tiles row tiles, w = hi * tiles + t: row tile t of the key
+// head's value head hi (value head h * G + hi). Kernels walk consecutive work tiles with next(),
+// with no division per tile.
+struct WorkTile {
+  int hi, t;
+  DS_DEVICE static WorkTile of(const FastDiv& tiles, int w) {
+    const int hi = tiles.div(w);
+    return {hi, w - hi * static_cast<int>(tiles.d)};
+  }
+  DS_DEVICE WorkTile next(int tiles) const {
+    return t + 1 < tiles ? WorkTile{hi, t + 1} : WorkTile{hi + 1, 0};
+  }
+};
+
 // Staged per-row inputs of one block, CH rows at a time: q and k of the key head (q only where
 // an output is computed), and v and the gates of each of its TILES row tiles (VROWS value rows in
 // all; tile i's rows at v[r][i * BR ..]).

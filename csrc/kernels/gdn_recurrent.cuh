@@ -21,15 +21,29 @@ namespace ds {
 namespace gdn {
 
 struct RecurrentParams {
+  // First what a block reads before the grid-dependency wait or on its way to the first loads
+  // after it, so that those reads share constant-bank cache lines (no effect measured: the
+  // B=1 figures of session 9 moved the same with either order).
+  float* state;           // [S, HV, V, K] fp32, one layer of the pool (read only in verify)
+  const int32_t* slots;   // [N]
+  int64_t S;              // slots in the pool (state.size(0))
+  FastDiv tiles;          // row tiles per value head, ceil(V / Tile<K, ROWS>::kRows)
+  FastDiv splits;         // decode: blocks per key head (its 1-D grid's fastest index)
+  FastDiv heads;          // decode: H
+  int N, R, R_max, H, HV, V;
+  int G;                  // HV / H: value heads per key head
+  int tiles_per_block;    // work tiles (row tiles of a value head) per block
+  float scale;            // applied to q after its L2 norm
+  // (tiles, splits, heads, G and tiles_per_block are set by the launch)
   const void* q;          // [N, R, H, K] T, strides q_stride_n / q_stride_r, [H, K] dense
   const void* k;          // [N, R, H, K] T, strides k_stride_n / k_stride_r
   const void* v;          // [N, R, HV, V] T, strides v_stride_n / v_stride_r
   const void* a;          // [N, R, HV] T, strides a_stride_n / a_stride_r
   const void* b;          // [N, R, HV] T, strides b_stride_n / b_stride_r
+  int64_t q_stride_n, q_stride_r, k_stride_n, k_stride_r, v_stride_n, v_stride_r;
+  int64_t a_stride_n, a_stride_r, b_stride_n, b_stride_r;  // all in elements
   const float* A_log;     // [HV]
   const float* dt_bias;   // [HV]
-  float* state;           // [S, HV, V, K] fp32, one layer of the pool (read only in verify)
-  const int32_t* slots;   // [N]
   void* o;                // [N, R, HV, V] T, dense
   float* stash_k;         // verify: [N_max, R_max, H, K] of this layer (else null)
   float* stash_v;         // verify: [N_max, R_max, HV, V]
@@ -43,12 +57,6 @@ struct RecurrentParams {
   const float* pend_g;
   const float* pend_beta;
   const int32_t* pend_rows;
-  int64_t q_stride_n, q_stride_r, k_stride_n, k_stride_r, v_stride_n, v_stride_r;
-  int64_t a_stride_n, a_stride_r, b_stride_n, b_stride_r;  // all in elements
-  int N, R, R_max, H, HV, V;
-  int64_t S;              // slots in the pool (state.size(0))
-  int tiles_per_block;    // work tiles (row tiles of a value head) per block
-  float scale;            // applied to q after its L2 norm
 };
 
 // Stage rows c0 .. c0+rc-1 of request n for key head h and its work tiles w0 .. w0+nt-1 into
@@ -61,7 +69,7 @@ struct RecurrentParams {
 // R = 4 spent most of its time waiting on those in turn, with the memory pipe idle).
 template <typename T, int K, int BR, int VROWS, int CH, int TILES>
 DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, TILES>& sm,
-                          int n, int c0, int rc, int h, int w0, int nt, int tiles, bool k_writer) {
+                          int n, int c0, int rc, int h, int w0, int nt, bool k_writer) {
   using L = Layout<K>;
   static_assert(CH <= L::kGroups, "one row group per staged row");
   const int tid = threadIdx.x, lane = L::group_lane(), r_qk = L::group();
@@ -69,7 +77,7 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   // with few rows the gate loads and math start in warps that hold no q/k row (the same warp
   // doing both cost the then-staged decode 18% at B=64, session 5).
   const int rt = kThreads - 1 - tid;
-  const int G = p.HV / p.H;
+  const int G = p.G;
 
   // Every thread takes part in normalize_qk (zeros past rc): its butterflies are full-warp
   // shuffles, and rc groups may end inside a warp (a partial warp deadlocked in them).
@@ -95,9 +103,9 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   int v_hv[kSlots], v_row[kSlots];  // v_row -1: past the span or past V (nothing loaded)
 #pragma unroll
   for (int u = 0; u < kSlots; ++u) {
-    const int c = slot_col(u), w = w0 + c / BR;
-    v_hv[u] = h * G + w / tiles;
-    v_row[u] = (w % tiles) * BR + c % BR;
+    const int c = slot_col(u), w = w0 + c / BR, hi = p.tiles.div(w);
+    v_hv[u] = h * G + hi;
+    v_row[u] = (w - hi * int(p.tiles.d)) * BR + c % BR;
     if (c >= span || v_row[u] >= p.V) v_row[u] = -1;
   }
   const auto load_v = [&](int r0, float (&v)[kSlots]) {
@@ -110,18 +118,19 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   };
   float v[kSlots];
   load_v(0, v);
-  // Gates: one (row, tile slot) pair per thread. A value head's gates are computed by each of
-  // its tiles in the span, from the same inputs by the same function, so the bits agree.
-  const int ng = rc * nt;
+  // Gates: one (row, tile slot) pair e = i * CH + r per thread (rows past rc idle: no division
+  // by the run-time nt). A value head's gates are computed by each of its tiles in the span,
+  // from the same inputs by the same function, so the bits agree.
+  const int ng = CH * nt;
   float ga = 0.f, gb = 0.f, a_log = 0.f, dt_bias = 0.f;
   const auto load_gate = [&](int e) {
-    const int r = e / nt, hv = h * G + (w0 + e % nt) / tiles;
+    const int r = e % CH, hv = h * G + p.tiles.div(w0 + e / CH);
     a_log = p.A_log[hv];
     dt_bias = p.dt_bias[hv];
     ga = to_float(static_cast<const T*>(p.a)[n * p.a_stride_n + (c0 + r) * p.a_stride_r + hv]);
     gb = to_float(static_cast<const T*>(p.b)[n * p.b_stride_n + (c0 + r) * p.b_stride_r + hv]);
   };
-  if (rt < ng) load_gate(rt);
+  if (rt < ng && rt % CH < rc) load_gate(rt);
 
   const float kq = normalize_qk<K>(xq, xk, p.scale);
   if (r_qk < rc) {
@@ -142,13 +151,14 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
     }
   }
   for (int e = rt; e < ng; e += kThreads) {
+    const int r = e % CH, i = e / CH, w = w0 + i, hi = p.tiles.div(w), hv = h * G + hi;
+    if (r >= rc) continue;
     if (e > rt) load_gate(e);
-    const int r = e / nt, i = e % nt, w = w0 + i, hv = h * G + w / tiles;
     const float g = gate_g(ga, a_log, dt_bias);
     const float beta = gate_beta(gb);
     sm.decay[r][i] = gate_decay(g);
     sm.beta[r][i] = beta;
-    if (w % tiles == 0) {
+    if (w == hi * int(p.tiles.d)) {
       const int64_t sr = int64_t(n) * p.R_max + c0 + r;
       p.stash_g[sr * p.HV + hv] = g;
       p.stash_beta[sr * p.HV + hv] = beta;
@@ -210,10 +220,12 @@ struct Staged {
 // replay's bits, hence decode's.
 template <int K, int BR, int VROWS, int TILES>
 DS_DEVICE void stage_pending(const RecurrentParams& p, RowSmem<K, VROWS, kChunk, false, TILES>& pm,
-                             int n, int rc, int h, int w0, int nt, int tiles) {
+                             int n, int rc, int h, int w0, int nt) {
   constexpr int kKs = (kChunk * (K / 4) + kThreads - 1) / kThreads;  // float4 pieces of k
-  constexpr int kU = 8;                                             // v loads per batch
-  const int tid = threadIdx.x, G = p.HV / p.H, span = nt * BR;
+  // v: span column tid + j * kThreads of kPass rows at a time, all loads of a pass first
+  constexpr int kCols = (VROWS + kThreads - 1) / kThreads;
+  constexpr int kPass = kCols >= 8 ? 1 : 8 / kCols;
+  const int tid = threadIdx.x, G = p.G, span = nt * BR;
   const int64_t first = int64_t(n) * p.R_max;  // stash row of pending row 0
   float4 kp[kKs];
 #pragma unroll
@@ -223,20 +235,27 @@ DS_DEVICE void stage_pending(const RecurrentParams& p, RowSmem<K, VROWS, kChunk,
       kp[u] = *reinterpret_cast<const float4*>(
           p.pend_k + ((first + i / (K / 4)) * p.H + h) * K + (i % (K / 4)) * 4);
   }
-  for (int e0 = 0; e0 < rc * span; e0 += kU * kThreads) {
-    float x[kU];
+  int64_t v_off[kCols];  // -1: past the span or past V (staged as zero)
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int e = e0 + u * kThreads + tid, r = e / span, c = e % span, w = w0 + c / BR;
-      const int vr = (w % tiles) * BR + c % BR;
-      x[u] = e < rc * span && vr < p.V
-                 ? p.pend_v[((first + r) * p.HV + h * G + w / tiles) * p.V + vr] : 0.f;
-    }
+  for (int j = 0; j < kCols; ++j) {
+    const int c = tid + j * kThreads;
+    const WorkTile wt = WorkTile::of(p.tiles, w0 + c / BR);
+    const int vr = wt.t * BR + c % BR;
+    v_off[j] = c < span && vr < p.V ? int64_t(h * G + wt.hi) * p.V + vr : -1;
+  }
+  for (int r0 = 0; r0 < rc; r0 += kPass) {
+    float x[kPass][kCols];
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int e = e0 + u * kThreads + tid;
-      if (e < rc * span) pm.v[e / span][e % span] = x[u];
-    }
+    for (int u = 0; u < kPass; ++u)
+#pragma unroll
+      for (int j = 0; j < kCols; ++j)
+        x[u][j] = r0 + u < rc && v_off[j] >= 0
+                      ? p.pend_v[(first + r0 + u) * p.HV * p.V + v_off[j]] : 0.f;
+#pragma unroll
+    for (int u = 0; u < kPass; ++u)
+#pragma unroll
+      for (int j = 0; j < kCols; ++j)
+        if (r0 + u < rc && tid + j * kThreads < span) pm.v[r0 + u][tid + j * kThreads] = x[u][j];
   }
 #pragma unroll
   for (int u = 0; u < kKs; ++u) {
@@ -244,8 +263,9 @@ DS_DEVICE void stage_pending(const RecurrentParams& p, RowSmem<K, VROWS, kChunk,
     if (i < rc * (K / 4))
       *reinterpret_cast<float4*>(&pm.k[i / (K / 4)][(i % (K / 4)) * 4]) = kp[u];
   }
-  for (int e = tid; e < rc * nt; e += kThreads) {
-    const int r = e / nt, i = e % nt, hv = h * G + (w0 + i) / tiles;
+  for (int e = tid; e < kChunk * nt; e += kThreads) {  // e = i * kChunk + r, rows past rc idle
+    const int r = e % kChunk, i = e / kChunk, hv = h * G + p.tiles.div(w0 + i);
+    if (r >= rc) continue;
     pm.decay[r][i] = gate_decay(p.pend_g[(first + r) * p.HV + hv]);
     pm.beta[r][i] = p.pend_beta[(first + r) * p.HV + hv];
   }
@@ -264,66 +284,84 @@ template <typename T, int K, int ROWS, bool MULTI>
 DS_DEVICE void decode_block(const RecurrentParams& p) {
   using L = Layout<K>;
   constexpr int BR = Tile<K, ROWS>::kRows;
-  const int tiles = static_cast<int>(ceil_div(p.V, BR));
-  const int G = p.HV / p.H, per_head = G * tiles;
+  const int tiles = static_cast<int>(p.tiles.d);
   const int tpb = MULTI ? p.tiles_per_block : 1;
-  const int splits = static_cast<int>(ceil_div(per_head, tpb));
-  const int64_t blk = blockIdx.x;
-  const int w0 = static_cast<int>(blk % splits) * tpb;
-  const int h = static_cast<int>((blk / splits) % p.H);
-  const int n = static_cast<int>(blk / (int64_t(splits) * p.H));
+  const int blk = static_cast<int>(blockIdx.x), hn = p.splits.div(blk);  // grid < 2^31
+  const int w0 = (blk - hn * static_cast<int>(p.splits.d)) * tpb;
+  const int n = p.heads.div(hn), h = hn - n * p.H;
+  const int per_head = p.G * tiles;
   const int nt = w0 + tpb < per_head ? tpb : per_head - w0;
   const int64_t head_elems = int64_t(p.V) * K;
-  const auto head_of = [&](int64_t slot, int w) {
-    return p.state + (slot * p.HV + h * G + w / tiles) * head_elems;
+  const auto head_of = [&](int64_t slot, WorkTile wt) {
+    return p.state + (slot * p.HV + h * p.G + wt.hi) * head_elems;
   };
   const int lane = L::group_lane();
+  // A tile's row inputs: v of its value head, and that head's gate inputs.
+  struct Inputs {
+    const T* v;
+    const T* a;
+    const T* b;
+    const float* A_log;
+    const float* dt_bias;
+  };
+  const auto inputs_of = [&](WorkTile wt) {
+    const int hv = h * p.G + wt.hi;
+    return Inputs{static_cast<const T*>(p.v) + n * p.v_stride_n + int64_t(hv) * p.V,
+                  static_cast<const T*>(p.a) + n * p.a_stride_n + hv,
+                  static_cast<const T*>(p.b) + n * p.b_stride_n + hv, p.A_log + hv,
+                  p.dt_bias + hv};
+  };
   float v[ROWS], decay, beta;  // the current tile's row inputs
-  const auto load_tile_inputs = [&](int w) {
-    const int hv = h * G + w / tiles;
-    const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + int64_t(hv) * p.V;
+  const auto load_tile_inputs = [&](const Inputs& in, int t) {
 #pragma unroll
     for (int m = 0; m < ROWS; ++m) {
-      const int raw = (w % tiles) * BR + m * L::kGroups + L::group();
-      v[m] = raw < p.V ? to_float(vp[raw]) : 0.f;  // zero past V: computes, never stored
+      const int raw = t * BR + m * L::kGroups + L::group();
+      v[m] = raw < p.V ? to_float(in.v[raw]) : 0.f;  // zero past V: computes, never stored
     }
-    const float ga = to_float(static_cast<const T*>(p.a)[n * p.a_stride_n + hv]);
-    const float gb = to_float(static_cast<const T*>(p.b)[n * p.b_stride_n + hv]);
-    decay = gate_decay(gate_g(ga, p.A_log[hv], p.dt_bias[hv]));
-    beta = gate_beta(gb);
+    decay = gate_decay(gate_g(to_float(*in.a), *in.A_log, *in.dt_bias));
+    beta = gate_beta(to_float(*in.b));
   };
 
   launch_dependents();  // the next kernel may start its prologue now
+  const WorkTile first = WorkTile::of(p.tiles, w0);
   const int64_t guess = guess_slot(p, n);
-  prefetch_tile<K, ROWS>(head_of(guess, w0), w0 % tiles, p.V);
+  float* guess_head = head_of(guess, first);
+  prefetch_tile<K, ROWS>(guess_head, first.t, p.V);
+  const T* qp = static_cast<const T*>(p.q) + n * p.q_stride_n + h * K;
+  const T* kp = static_cast<const T*>(p.k) + n * p.k_stride_n + h * K;
+  const Inputs in = inputs_of(first);
   grid_dependency_wait();
 
   // The state loads go out first, from the slot read before the wait and checked below: the
   // slot read is then off the path to the first state load.
   float s[ROWS][kPerLane];
   int row[ROWS];
-  load_tile<K, ROWS>(head_of(guess, w0), w0 % tiles, p.V, s, row);
+  load_tile<K, ROWS>(guess_head, first.t, p.V, s, row);
   const int64_t slot = p.slots[n];
   float q[kPerLane], k[kPerLane];
-  load_qk<K, T>(static_cast<const T*>(p.q) + n * p.q_stride_n + h * K,
-                static_cast<const T*>(p.k) + n * p.k_stride_n + h * K, lane, q, k);
-  load_tile_inputs(w0);
+  load_qk<K, T>(qp, kp, lane, q, k);
+  load_tile_inputs(in, first.t);
   const float kq = normalize_qk<K>(q, k, p.scale);
-  if (slot != guess) load_tile<K, ROWS>(head_of(slot, w0), w0 % tiles, p.V, s, row);
+  float* head = head_of(slot, first);  // the state of value head h * G + wt.hi
+  if (slot != guess) load_tile<K, ROWS>(head, first.t, p.V, s, row);
+  WorkTile wt = first;
   for (int i = 0; i < nt; ++i) {
-    const int w = w0 + i, hv = h * G + w / tiles;
+    const WorkTile nx = wt.next(tiles);
+    float* const nx_head = nx.t == 0 ? head + head_elems : head;
     if (i > 0) {
-      load_tile<K, ROWS>(head_of(slot, w), w % tiles, p.V, s, row);
-      load_tile_inputs(w);
+      load_tile<K, ROWS>(head, wt.t, p.V, s, row);
+      load_tile_inputs(inputs_of(wt), wt.t);
     }
-    if (i + 1 < nt) prefetch_tile<K, ROWS>(head_of(slot, w + 1), (w + 1) % tiles, p.V);
-    T* o = static_cast<T*>(p.o) + (int64_t(n) * p.HV + hv) * p.V;
+    if (i + 1 < nt) prefetch_tile<K, ROWS>(nx_head, nx.t, p.V);
+    T* o = static_cast<T*>(p.o) + (int64_t(n) * p.HV + h * p.G + wt.hi) * p.V;
 #pragma unroll
     for (int m = 0; m < ROWS; ++m) {
       const float out = step<K, true>(s[m], k, q, v[m], decay, beta, kq);
       if (row[m] >= 0 && lane == 0) o[row[m]] = from_float<T>(out);
     }
-    store_tile<K, ROWS>(head_of(slot, w), s, row);
+    store_tile<K, ROWS>(head, s, row);
+    wt = nx;
+    head = nx_head;
   }
 }
 
@@ -349,21 +387,20 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
   __shared__ __align__(16) RowSmem<K, PENDING ? S::kRows : 1, PENDING ? kChunk : 1, false,
                                    PENDING ? S::kTiles : 1> pm;
 
-  const int tiles = (p.V + BR - 1) / BR;
-  const int G = p.HV / p.H;
+  const int tiles = static_cast<int>(p.tiles.d);
   const int h = blockIdx.y, n = blockIdx.z;
   const int w0 = blockIdx.x * p.tiles_per_block;
   const int64_t head_elems = int64_t(p.V) * K;
+  const auto head_of = [&](int64_t slot, WorkTile wt) {
+    return p.state + (slot * p.HV + h * p.G + wt.hi) * head_elems;
+  };
+  const WorkTile first = WorkTile::of(p.tiles, w0);
 
   launch_dependents();
-  prefetch_tile<K, ROWS>(p.state + (guess_slot(p, n) * p.HV + h * G + w0 / tiles) * head_elems,
-                         w0 % tiles, p.V);
+  prefetch_tile<K, ROWS>(head_of(guess_slot(p, n), first), first.t, p.V);
   grid_dependency_wait();
 
   const int64_t slot = p.slots[n];
-  const auto head_of = [&](int w) {
-    return p.state + (slot * p.HV + h * G + w / tiles) * head_elems;
-  };
   int pend = 0;  // uniform per block
   if constexpr (PENDING) {
     pend = p.pend_rows[n];
@@ -372,43 +409,48 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
   }
   float s[ROWS][kPerLane];
   int row[ROWS];
-  load_tile<K, ROWS>(head_of(w0), w0 % tiles, p.V, s, row);  // in flight while staging
+  load_tile<K, ROWS>(head_of(slot, first), first.t, p.V, s, row);  // in flight while staging
   if constexpr (MULTI) {
-    const int nt = w0 + p.tiles_per_block < G * tiles ? p.tiles_per_block : G * tiles - w0;
-    stage_span<T, K, BR, S::kRows, kChunk, S::kTiles>(p, sm, n, 0, p.R, h, w0, nt, tiles,
-                                                       w0 == 0);
+    const int per_head = p.G * tiles;
+    const int nt = w0 + p.tiles_per_block < per_head ? p.tiles_per_block : per_head - w0;
+    stage_span<T, K, BR, S::kRows, kChunk, S::kTiles>(p, sm, n, 0, p.R, h, w0, nt, w0 == 0);
     if constexpr (PENDING) {
-      if (pend > 0) stage_pending<K, BR>(p, pm, n, pend, h, w0, nt, tiles);
+      if (pend > 0) stage_pending<K, BR>(p, pm, n, pend, h, w0, nt);
     }
     __syncthreads();
+    WorkTile wt = first;
+    float* head = head_of(slot, first);  // the state of value head h * G + wt.hi
     for (int i = 0; i < nt; ++i) {
-      const int w = w0 + i;
-      if (i > 0) load_tile<K, ROWS>(head_of(w), w % tiles, p.V, s, row);
-      if (i + 1 < nt) prefetch_tile<K, ROWS>(head_of(w + 1), (w + 1) % tiles, p.V);
+      const WorkTile nx = wt.next(tiles);
+      float* const nx_head = nx.t == 0 ? head + head_elems : head;
+      if (i > 0) load_tile<K, ROWS>(head, wt.t, p.V, s, row);
+      if (i + 1 < nt) prefetch_tile<K, ROWS>(nx_head, nx.t, p.V);
       if constexpr (PENDING) {
         if (pend > 0) {
           update_rows<K>(pm, s, i * BR, i, pend);
-          store_tile<K, ROWS>(head_of(w), s, row);
+          store_tile<K, ROWS>(head, s, row);
         }
       }
-      run_rows<T, K, ROWS>(p, sm, s, row, n, h * G + w / tiles, i, 0, p.R);
+      run_rows<T, K, ROWS>(p, sm, s, row, n, h * p.G + wt.hi, i, 0, p.R);
+      wt = nx;
+      head = nx_head;
     }
   } else {
     if constexpr (PENDING) {
-      if (pend > 0) stage_pending<K, BR>(p, pm, n, pend, h, w0, 1, tiles);
+      if (pend > 0) stage_pending<K, BR>(p, pm, n, pend, h, w0, 1);
     }
     for (int c0 = 0; c0 < p.R; c0 += kChunk) {
       const int rc = p.R - c0 < kChunk ? p.R - c0 : kChunk;
       if (c0 > 0) __syncthreads();  // every thread is done with the previous chunk
-      stage_span<T, K, BR, S::kRows, kChunk, 1>(p, sm, n, c0, rc, h, w0, 1, tiles, w0 == 0);
+      stage_span<T, K, BR, S::kRows, kChunk, 1>(p, sm, n, c0, rc, h, w0, 1, w0 == 0);
       __syncthreads();
       if constexpr (PENDING) {
         if (c0 == 0 && pend > 0) {
           update_rows<K>(pm, s, 0, 0, pend);
-          store_tile<K, ROWS>(head_of(w0), s, row);
+          store_tile<K, ROWS>(head_of(slot, first), s, row);
         }
       }
-      run_rows<T, K, ROWS>(p, sm, s, row, n, h * G + w0 / tiles, 0, c0, rc);
+      run_rows<T, K, ROWS>(p, sm, s, row, n, h * p.G + first.hi, 0, c0, rc);
     }
   }
 }
@@ -429,7 +471,7 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(const RecurrentParams 
 
 template <typename T, int K, int ROWS, bool PENDING>
 inline ds_error_t launch_verify(RecurrentParams p, int tiles, ds_stream_t stream) {
-  const int per_head = (p.HV / p.H) * tiles;
+  const int per_head = p.G * tiles;
   constexpr int cap = Staged<K, ROWS, true, PENDING>::kTiles;
   p.tiles_per_block = pick_tiles_per_block(int64_t(p.N) * p.H, per_head, cap, cap, p.R);
   const dim3 grid(static_cast<unsigned>(ceil_div(per_head, p.tiles_per_block)), p.H, p.N);
@@ -442,15 +484,21 @@ inline ds_error_t launch_verify(RecurrentParams p, int tiles, ds_stream_t stream
 template <typename T, int K, int ROWS, bool VERIFY>
 inline ds_error_t launch_rows(RecurrentParams p, ds_stream_t stream) {
   const int tiles = static_cast<int>(ceil_div(p.V, Tile<K, ROWS>::kRows));
+  p.G = p.HV / p.H;
+  p.tiles = FastDiv(tiles);
   if constexpr (VERIFY) {
     if (p.pend_rows == nullptr) return launch_verify<T, K, ROWS, false>(p, tiles, stream);
     if (p.R_max > kChunk) return DS_ERROR_INVALID_VALUE;  // pending rows are one staged chunk
     return launch_verify<T, K, ROWS, true>(p, tiles, stream);
   } else {
-    const int per_head = (p.HV / p.H) * tiles;
+    const int per_head = p.G * tiles;
     // 2 tiles at most; DS_GDN_TILES may force up to 16 (decode stages nothing, any count works)
     p.tiles_per_block = pick_tiles_per_block(int64_t(p.N) * p.H, per_head, 2, 16, 1);
-    const int64_t blocks = ceil_div(per_head, p.tiles_per_block) * int64_t(p.H) * p.N;
+    const int64_t splits = ceil_div(per_head, p.tiles_per_block);
+    const int64_t blocks = splits * p.H * p.N;
+    if (blocks > 0x7fffffffLL) return DS_ERROR_INVALID_VALUE;  // FastDiv and the 1-D grid
+    p.splits = FastDiv(splits);
+    p.heads = FastDiv(p.H);
     return p.tiles_per_block > 1
                ? launch(decode_kernel<T, K, ROWS, true>, blocks, kThreads, stream, Pdl::kOn, p)
                : launch(decode_kernel<T, K, ROWS, false>, blocks, kThreads, stream, Pdl::kOn, p);
@@ -459,6 +507,7 @@ inline ds_error_t launch_rows(RecurrentParams p, ds_stream_t stream) {
 
 template <typename T, int K, bool VERIFY>
 inline ds_error_t launch_recurrent(const RecurrentParams& p, ds_stream_t stream) {
+  if (p.H <= 0 || p.HV % p.H != 0) return DS_ERROR_INVALID_VALUE;
   if (p.N <= 0 || p.V <= 0 || p.HV <= 0) return DS_SUCCESS;  // nothing to compute
   if (VERIFY && (p.N > 65535 || p.H > 65535)) return DS_ERROR_INVALID_VALUE;  // grid y/z
   switch (pick_rows<K>(int64_t(p.HV) * p.N, p.V)) {
