@@ -248,30 +248,83 @@ inline ds_error_t multiprocessor_count(int* count) {
   return DS_SUCCESS;
 }
 
+#if !DS_HIP
+// Dynamic shared memory, unused by `kernel`, that keeps it at `blocks_per_sm` resident blocks
+// per multiprocessor where its registers and static shared memory would let more in: each
+// block is given 1 / (blocks_per_sm + 1/2) of the multiprocessor's shared memory, which fits
+// blocks_per_sm blocks and not one more. 0 where an attribute cannot be read or the padding
+// would not fit the default dynamic limit (48 KB per block less the static part). Cached per
+// (device, kernel).
+inline size_t occupancy_pad_bytes(const void* kernel, int blocks_per_sm) {
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, size_t> cache;
+  int dev = 0;
+  if (blocks_per_sm < 1 || cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(dev, kernel);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    int per_sm = 0, reserved = 0;
+    cudaFuncAttributes attr{};
+    if (cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) !=
+            cudaSuccess ||
+        cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev) !=
+            cudaSuccess ||
+        cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    const int64_t share = int64_t(per_sm) * 2 / (2 * blocks_per_sm + 1);
+    const int64_t pad = share - int64_t(attr.sharedSizeBytes) - reserved;
+    it = cache.emplace(key, pad > 0 && pad <= attr.maxDynamicSharedSizeBytes ? size_t(pad) : 0)
+             .first;
+  }
+  return it->second;
+}
+#endif
+
 // Every kernel goes through here: one place for launch attributes and the error check.
+// `smem`: dynamic shared memory per block (bytes). A launch refused with it (a padding from
+// occupancy_pad_bytes the device turned down) is retried without.
 template <typename... KArgs, typename... Args>
-inline ds_error_t launch(void (*kernel)(KArgs...), dim3 grid, int threads, ds_stream_t stream,
-                         Pdl pdl, Args... args) {
+inline ds_error_t launch_smem(void (*kernel)(KArgs...), dim3 grid, int threads, size_t smem,
+                              ds_stream_t stream, Pdl pdl, Args... args) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return DS_SUCCESS;
 #if !DS_HIP
   if (pdl == Pdl::kOn && pdl_ready(reinterpret_cast<const void*>(kernel))) {
     cudaLaunchConfig_t config = {};
     config.gridDim = grid;
     config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem;
     config.stream = stream;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     config.attrs = attr;
     config.numAttrs = 1;
-    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, static_cast<KArgs>(args)...);
-    const cudaError_t last = cudaGetLastError();  // as after <<<>>>: nothing left pending
+    cudaError_t err = cudaLaunchKernelEx(&config, kernel, static_cast<KArgs>(args)...);
+    cudaError_t last = cudaGetLastError();  // as after <<<>>>: nothing left pending
+    if (err != cudaSuccess && smem > 0) {  // refused, so not enqueued: once more, unpadded
+      config.dynamicSmemBytes = 0;
+      err = cudaLaunchKernelEx(&config, kernel, static_cast<KArgs>(args)...);
+      last = cudaGetLastError();
+    }
     return err != cudaSuccess ? err : last;
   }
 #endif
   (void)pdl;
+  (void)smem;  // only PDL launches are padded (see launch_verify)
   kernel<<<grid, dim3(threads), 0, stream>>>(args...);
   return ds_get_last_error();
+}
+
+template <typename... KArgs, typename... Args>
+inline ds_error_t launch(void (*kernel)(KArgs...), dim3 grid, int threads, ds_stream_t stream,
+                         Pdl pdl, Args... args) {
+  return launch_smem(kernel, grid, threads, 0, stream, pdl, args...);
 }
 
 // A 1-D grid of `blocks` blocks (at most 2^31 - 1).

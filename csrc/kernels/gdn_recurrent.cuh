@@ -469,16 +469,37 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(const RecurrentParams 
   verify_block<T, K, ROWS, MULTI, PENDING>(p);
 }
 
+// A one-tile verify block needs few registers (71 at K=128), so up to 7 fit per SM. Launched
+// with PDL in a chain, the kernels after it then park more blocks at their grid-dependency
+// wait, and at B=1 that cost 0.5 µs of 4.5 (H200, session 9, RESULTS.md: 5.04-5.13 µs; the
+// same kernel held at 5 blocks per SM by unused dynamic shared memory, 4.59; the previous
+// kernel at 95 registers, 5 per SM, 4.52-4.58; without PDL the two kernels are even). A grid
+// that fits one wave at 5 blocks per SM is held there, which never delays a block of its own.
+constexpr int kOneTileBlocksPerSm = 5;
+inline size_t one_wave_pad(const void* kernel, int64_t blocks) {
+#if !DS_HIP
+  int sms = 0;
+  if (multiprocessor_count(&sms) == DS_SUCCESS && blocks <= int64_t(kOneTileBlocksPerSm) * sms &&
+      pdl_ready(kernel))
+    return occupancy_pad_bytes(kernel, kOneTileBlocksPerSm);
+#endif
+  (void)kernel;
+  (void)blocks;
+  return 0;
+}
+
 template <typename T, int K, int ROWS, bool PENDING>
 inline ds_error_t launch_verify(RecurrentParams p, int tiles, ds_stream_t stream) {
   const int per_head = p.G * tiles;
   constexpr int cap = Staged<K, ROWS, true, PENDING>::kTiles;
   p.tiles_per_block = pick_tiles_per_block(int64_t(p.N) * p.H, per_head, cap, cap, p.R);
   const dim3 grid(static_cast<unsigned>(ceil_div(per_head, p.tiles_per_block)), p.H, p.N);
-  return p.tiles_per_block > 1
-             ? launch(verify_kernel<T, K, ROWS, true, PENDING>, grid, kThreads, stream, Pdl::kOn, p)
-             : launch(verify_kernel<T, K, ROWS, false, PENDING>, grid, kThreads, stream, Pdl::kOn,
-                      p);
+  if (p.tiles_per_block > 1)
+    return launch(verify_kernel<T, K, ROWS, true, PENDING>, grid, kThreads, stream, Pdl::kOn, p);
+  const auto kernel = verify_kernel<T, K, ROWS, false, PENDING>;
+  const size_t pad =
+      one_wave_pad(reinterpret_cast<const void*>(kernel), int64_t(grid.x) * p.H * p.N);
+  return launch_smem(kernel, grid, kThreads, pad, stream, Pdl::kOn, p);
 }
 
 template <typename T, int K, int ROWS, bool VERIFY>
