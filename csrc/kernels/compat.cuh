@@ -249,13 +249,15 @@ inline ds_error_t multiprocessor_count(int* count) {
 }
 
 #if !DS_HIP
-// Dynamic shared memory, unused by `kernel`, that keeps it at `blocks_per_sm` resident blocks
-// per multiprocessor where its registers and static shared memory would let more in: each
-// block is given 1 / (blocks_per_sm + 1/2) of the multiprocessor's shared memory, which fits
-// blocks_per_sm blocks and not one more. 0 where an attribute cannot be read or the padding
-// would not fit the default dynamic limit (48 KB per block less the static part). Cached per
-// (device, kernel).
-inline size_t occupancy_pad_bytes(const void* kernel, int blocks_per_sm) {
+// Dynamic shared memory, unused by `kernel`, that keeps at most `blocks_per_sm` of its blocks of
+// `threads` threads resident per multiprocessor. 0 where its registers and static shared memory
+// already do (cudaOccupancyMaxActiveBlocksPerMultiprocessor); else a block is given just over
+// 1 / (blocks_per_sm + 1) of the multiprocessor's shared memory (+128 bytes, the allocation
+// unit), so one more block does not fit even with all of it given to shared memory, while
+// blocks_per_sm = 5 still fit the H100/H200's 196 KB carveout as well as its 228 KB. 0 too where
+// an attribute cannot be read or the pad would pass the default dynamic limit (48 KB per block
+// less the static part). Cached per (device, kernel).
+inline size_t occupancy_pad_bytes(const void* kernel, int threads, int blocks_per_sm) {
   static std::mutex mu;
   static std::map<std::pair<int, const void*>, size_t> cache;
   int dev = 0;
@@ -267,28 +269,32 @@ inline size_t occupancy_pad_bytes(const void* kernel, int blocks_per_sm) {
   const auto key = std::make_pair(dev, kernel);
   auto it = cache.find(key);
   if (it == cache.end()) {
-    int per_sm = 0, reserved = 0;
+    int per_sm = 0, reserved = 0, active = 0;
     cudaFuncAttributes attr{};
     if (cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) !=
             cudaSuccess ||
         cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev) !=
             cudaSuccess ||
-        cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+        cudaFuncGetAttributes(&attr, kernel) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&active, kernel, threads, 0) !=
+            cudaSuccess) {
       (void)cudaGetLastError();
       return 0;
     }
-    const int64_t share = int64_t(per_sm) * 2 / (2 * blocks_per_sm + 1);
+    const int64_t share = int64_t(per_sm) / (blocks_per_sm + 1) + 128;
     const int64_t pad = share - int64_t(attr.sharedSizeBytes) - reserved;
-    it = cache.emplace(key, pad > 0 && pad <= attr.maxDynamicSharedSizeBytes ? size_t(pad) : 0)
-             .first;
+    const bool use = active > blocks_per_sm && pad > 0 && pad <= attr.maxDynamicSharedSizeBytes;
+    it = cache.emplace(key, use ? size_t(pad) : 0).first;
   }
   return it->second;
 }
 #endif
 
 // Every kernel goes through here: one place for launch attributes and the error check.
-// `smem`: dynamic shared memory per block (bytes). A launch refused with it (a padding from
-// occupancy_pad_bytes the device turned down) is retried without.
+// `smem`: dynamic shared memory per block (bytes), which only PDL launches pass on (it pads
+// their occupancy, occupancy_pad_bytes). Should the runtime refuse the launch for its
+// configuration (it should not: the pad is kept under the default dynamic limit), nothing was
+// enqueued and it is launched once more without.
 template <typename... KArgs, typename... Args>
 inline ds_error_t launch_smem(void (*kernel)(KArgs...), dim3 grid, int threads, size_t smem,
                               ds_stream_t stream, Pdl pdl, Args... args) {
@@ -307,7 +313,8 @@ inline ds_error_t launch_smem(void (*kernel)(KArgs...), dim3 grid, int threads, 
     config.numAttrs = 1;
     cudaError_t err = cudaLaunchKernelEx(&config, kernel, static_cast<KArgs>(args)...);
     cudaError_t last = cudaGetLastError();  // as after <<<>>>: nothing left pending
-    if (err != cudaSuccess && smem > 0) {  // refused, so not enqueued: once more, unpadded
+    if (smem > 0 && (err == cudaErrorInvalidValue || err == cudaErrorInvalidConfiguration ||
+                     err == cudaErrorLaunchOutOfResources)) {
       config.dynamicSmemBytes = 0;
       err = cudaLaunchKernelEx(&config, kernel, static_cast<KArgs>(args)...);
       last = cudaGetLastError();
@@ -316,7 +323,7 @@ inline ds_error_t launch_smem(void (*kernel)(KArgs...), dim3 grid, int threads, 
   }
 #endif
   (void)pdl;
-  (void)smem;  // only PDL launches are padded (see launch_verify)
+  (void)smem;
   kernel<<<grid, dim3(threads), 0, stream>>>(args...);
   return ds_get_last_error();
 }

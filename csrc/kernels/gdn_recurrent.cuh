@@ -469,19 +469,20 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(const RecurrentParams 
   verify_block<T, K, ROWS, MULTI, PENDING>(p);
 }
 
-// A one-tile verify block needs few registers (71 at K=128), so up to 7 fit per SM. Launched
-// with PDL in a chain, the kernels after it then park more blocks at their grid-dependency
-// wait, and at B=1 that cost 0.5 µs of 4.5 (H200, session 9, RESULTS.md: 5.04-5.13 µs; the
-// same kernel held at 5 blocks per SM by unused dynamic shared memory, 4.59; the previous
-// kernel at 95 registers, 5 per SM, 4.52-4.58; without PDL the two kernels are even). A grid
-// that fits one wave at 5 blocks per SM is held there, which never delays a block of its own.
+// The one-tile verify kernel with one row per thread needs 71 registers at K=128, so 7 of its
+// blocks fit per SM. Launched with PDL in a chain, the kernels after it then park more blocks at
+// their grid-dependency wait, and at B=1 that cost 0.5 µs of 4.5 (H200, session 9, RESULTS.md:
+// 5.04-5.13 µs; the same kernel held at 5 blocks per SM by unused dynamic shared memory, 4.59;
+// the previous kernel at 95 registers, 5 per SM, 4.52-4.58; without PDL the two are even). A
+// one-tile grid that fits one wave at 5 blocks per SM is held there (never a delay for a block
+// of its own); kernels that registers already hold at 5 or fewer get no padding.
 constexpr int kOneTileBlocksPerSm = 5;
 inline size_t one_wave_pad(const void* kernel, int64_t blocks) {
 #if !DS_HIP
   int sms = 0;
   if (multiprocessor_count(&sms) == DS_SUCCESS && blocks <= int64_t(kOneTileBlocksPerSm) * sms &&
       pdl_ready(kernel))
-    return occupancy_pad_bytes(kernel, kOneTileBlocksPerSm);
+    return occupancy_pad_bytes(kernel, kThreads, kOneTileBlocksPerSm);
 #endif
   (void)kernel;
   (void)blocks;
