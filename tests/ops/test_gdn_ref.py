@@ -177,6 +177,11 @@ def test_bad_shapes_raise_clear_errors():
     with pytest.raises(ValueError, match="stash holds"):
         gdn_verify(q, k, v, a, b, A_log, dt_bias, torch.zeros(3, 4, 8, 8),
                    torch.tensor([1, 2], dtype=torch.int32), 8 ** -0.5, stash, 0)
+    # no rows: the CUDA one-tile and multi-tile launches would disagree on pending rows
+    with pytest.raises(ValueError, match="R >= 1"):
+        gdn_verify(*(x[:, :0] for x in (q, k, v, a, b)), A_log, dt_bias,
+                   torch.zeros(3, 4, 8, 8), torch.tensor([1, 2], dtype=torch.int32),
+                   8 ** -0.5, GDNStash.allocate(1, 2, 2, 2, 4, 8, 8, "cpu"), 0)
 
 
 def test_verify_with_pending_rows_is_replay_of_that_layer_then_verify():

@@ -166,15 +166,19 @@ def gdn_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
     (r+1)-th of r+1 gdn_decode steps (bitwise on CPU and among the CUDA kernels). Writes
     stash.{k,v,g,beta}[layer, :N, :R].
 
-    pending = (prev, rows): first apply the first rows[i] (int32 [N], clamped to 0..R) rows
-    of `prev` (the previous verify's stash, a distinct buffer of the stash's shapes) to request
-    i's state, in place, as `gdn_replay` would for this layer; then verify from that state.
+    pending = (prev, rows): first apply the first rows[i] (int32 [N], clamped to
+    0..stash.max_rows) rows of `prev` (the previous verify's stash, a distinct buffer of the
+    stash's shapes) to request i's state, in place, as `gdn_replay` would for this layer; then
+    verify from that state.
     On CUDA both happen in one launch (the state is read once and written once); bitwise equal
-    to gdn_replay followed by gdn_verify. Raises ValueError when the stash is too small or
-    `prev` does not match it.
+    to gdn_replay followed by gdn_verify. Raises ValueError when R < 1, when the stash is too
+    small or when `prev` does not match it.
     """
     _check_state(state, v, k)
     n, r = v.shape[0], v.shape[1]
+    if r < 1:
+        raise ValueError(f"gdn_verify needs R >= 1 rows per request, got v of shape "
+                         f"{tuple(v.shape)}")
     if n > stash.max_reqs or r > stash.max_rows or not 0 <= layer < stash.num_layers:
         raise ValueError(f"stash holds {stash.num_layers} layers x {stash.max_reqs} requests "
                          f"x {stash.max_rows} rows; got layer {layer}, N={n}, R={r}")
