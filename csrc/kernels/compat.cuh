@@ -18,6 +18,7 @@ using ds_error_t = hipError_t;
 #define DS_SUCCESS hipSuccess
 #define DS_ERROR_INVALID_VALUE hipErrorInvalidValue
 #define ds_get_last_error hipGetLastError
+#define ds_get_device hipGetDevice
 #else
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -27,6 +28,7 @@ using ds_error_t = cudaError_t;
 #define DS_SUCCESS cudaSuccess
 #define DS_ERROR_INVALID_VALUE cudaErrorInvalidValue
 #define ds_get_last_error cudaGetLastError
+#define ds_get_device cudaGetDevice
 #endif
 
 // Everything below is device code or kernel launches: only for nvcc / clang-HIP compiles.
@@ -179,73 +181,67 @@ DS_DEVICE int64_t clamp_slot(int64_t slot, int64_t S) {
 // ---- launch ----------------------------------------------------------------------------------
 enum class Pdl { kOff, kOn };
 
+// `query(dev, &value)` for the current device `dev` and `key`, cached: launch heuristics ask the
+// runtime for attributes on every launch, and those calls cost microseconds. A failed query (or
+// device lookup) is returned, not cached (it may be an error left over from an earlier
+// asynchronous launch), and cleared from the runtime's last error so that the next launch's
+// check does not report it. Each caller's query (its own lambda type) has its own cache.
+template <typename Key, typename Value, typename Query>
+inline ds_error_t cached_per_device(const Key& key, Value* value, Query query) {
+  static std::mutex mu;
+  static std::map<std::pair<int, Key>, Value> cache;
+  int dev = 0;
+  ds_error_t err = ds_get_device(&dev);
+  if (err == DS_SUCCESS) {
+    const std::lock_guard<std::mutex> lock(mu);
+    const auto it = cache.find(std::make_pair(dev, key));
+    if (it != cache.end()) {
+      *value = it->second;
+      return DS_SUCCESS;
+    }
+    err = query(dev, value);
+    if (err == DS_SUCCESS) {
+      cache.emplace(std::make_pair(dev, key), *value);
+      return DS_SUCCESS;
+    }
+  }
+  (void)ds_get_last_error();
+  return err;
+}
+
 // Whether `kernel` may be launched with programmatic dependent launch on the current device:
 // only if it was compiled from sm_90+ PTX, since only then does it contain griddepcontrol.wait
 // (and such an image only loads on an sm_90+ device, so this also answers "does the GPU have
 // PDL"). A build whose PTX targets an older architecture (say TORCH_CUDA_ARCH_LIST=8.0 run on an
 // H100) would otherwise start early without waiting and read its inputs before the previous
-// kernel wrote them. DS_PDL=0 in the environment turns PDL off (A/B runs). Cached per
-// (device, kernel); a failed query is not cached (it may be an error left over from an earlier
-// asynchronous launch).
+// kernel wrote them. DS_PDL=0 in the environment turns PDL off (A/B runs).
 #if !DS_HIP
 inline bool pdl_ready(const void* kernel) {
   static const bool env_off = [] {
     const char* e = std::getenv("DS_PDL");
     return e != nullptr && e[0] == '0';
   }();
-  static std::mutex mu;
-  static std::map<std::pair<int, const void*>, bool> cache;
-  int dev = 0;
-  if (env_off || cudaGetDevice(&dev) != cudaSuccess) return false;
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_pair(dev, kernel);
-  auto it = cache.find(key);
-  if (it == cache.end()) {
-    cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
-      (void)cudaGetLastError();  // not left for the next launch's check to report
-      return false;
-    }
-    it = cache.emplace(key, attr.ptxVersion >= 90).first;
-  }
-  return it->second;
+  bool ready = false;
+  return !env_off && cached_per_device(kernel, &ready, [kernel](int, bool* r) {
+           cudaFuncAttributes attr{};
+           const cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
+           *r = attr.ptxVersion >= 90;
+           return err;
+         }) == cudaSuccess && ready;
 }
 #endif
 
 // Multiprocessors of the current device (CUDA: SMs; HIP: what the runtime reports, which on
 // RDNA in WGP mode is WGPs of 2 CUs each, 20 on gfx1151), for launch heuristics stated in blocks
-// per multiprocessor. Cached per device. A failed query is returned, not cached, and cleared
-// from the runtime's last error so that the next launch's check does not report it.
+// per multiprocessor.
 inline ds_error_t multiprocessor_count(int* count) {
-  static std::mutex mu;
-  static std::map<int, int> cache;
-  int dev = 0;
+  return cached_per_device(0, count, [](int dev, int* n) {
 #if DS_HIP
-  ds_error_t err = hipGetDevice(&dev);
+    return hipDeviceGetAttribute(n, hipDeviceAttributeMultiprocessorCount, dev);
 #else
-  ds_error_t err = cudaGetDevice(&dev);
+    return cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, dev);
 #endif
-  if (err != DS_SUCCESS) {
-    (void)ds_get_last_error();
-    return err;
-  }
-  const std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(dev);
-  if (it == cache.end()) {
-    int n = 0;
-#if DS_HIP
-    err = hipDeviceGetAttribute(&n, hipDeviceAttributeMultiprocessorCount, dev);
-#else
-    err = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-#endif
-    if (err != DS_SUCCESS) {
-      (void)ds_get_last_error();
-      return err;
-    }
-    it = cache.emplace(dev, n).first;
-  }
-  *count = it->second;
-  return DS_SUCCESS;
+  });
 }
 
 #if !DS_HIP
@@ -256,37 +252,26 @@ inline ds_error_t multiprocessor_count(int* count) {
 // unit), so one more block does not fit even with all of it given to shared memory, while
 // blocks_per_sm = 5 still fit the H100/H200's 196 KB carveout as well as its 228 KB. 0 too where
 // an attribute cannot be read or the pad would pass the default dynamic limit (48 KB per block
-// less the static part). Cached per (device, kernel).
+// less the static part). The key is the kernel alone: one launcher passes the same counts.
 inline size_t occupancy_pad_bytes(const void* kernel, int threads, int blocks_per_sm) {
-  static std::mutex mu;
-  static std::map<std::pair<int, const void*>, size_t> cache;
-  int dev = 0;
-  if (blocks_per_sm < 1 || cudaGetDevice(&dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_pair(dev, kernel);
-  auto it = cache.find(key);
-  if (it == cache.end()) {
+  size_t pad = 0;
+  const auto query = [=](int dev, size_t* out) {
     int per_sm = 0, reserved = 0, active = 0;
     cudaFuncAttributes attr{};
-    if (cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) !=
-            cudaSuccess ||
-        cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev) !=
-            cudaSuccess ||
-        cudaFuncGetAttributes(&attr, kernel) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&active, kernel, threads, 0) !=
-            cudaSuccess) {
-      (void)cudaGetLastError();
-      return 0;
-    }
+    cudaError_t err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+                                             dev);
+    if (err == cudaSuccess)
+      err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+    if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, kernel);
+    if (err == cudaSuccess)
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&active, kernel, threads, 0);
     const int64_t share = int64_t(per_sm) / (blocks_per_sm + 1) + 128;
-    const int64_t pad = share - int64_t(attr.sharedSizeBytes) - reserved;
-    const bool use = active > blocks_per_sm && pad > 0 && pad <= attr.maxDynamicSharedSizeBytes;
-    it = cache.emplace(key, use ? size_t(pad) : 0).first;
-  }
-  return it->second;
+    const int64_t bytes = share - int64_t(attr.sharedSizeBytes) - reserved;
+    *out = active > blocks_per_sm && bytes > 0 && bytes <= attr.maxDynamicSharedSizeBytes
+               ? size_t(bytes) : 0;
+    return err;
+  };
+  return blocks_per_sm >= 1 && cached_per_device(kernel, &pad, query) == cudaSuccess ? pad : 0;
 }
 #endif
 

@@ -480,9 +480,8 @@ constexpr int kOneTileBlocksPerSm = 5;
 inline size_t one_wave_pad(const void* kernel, int64_t blocks) {
 #if !DS_HIP
   int sms = 0;
-  if (multiprocessor_count(&sms) == DS_SUCCESS && blocks <= int64_t(kOneTileBlocksPerSm) * sms &&
-      pdl_ready(kernel))
-    return occupancy_pad_bytes(kernel, kThreads, kOneTileBlocksPerSm);
+  if (multiprocessor_count(&sms) == DS_SUCCESS && blocks <= int64_t(kOneTileBlocksPerSm) * sms)
+    return occupancy_pad_bytes(kernel, kThreads, kOneTileBlocksPerSm);  // used by PDL launches
 #endif
   (void)kernel;
   (void)blocks;
