@@ -25,7 +25,7 @@ fi
 settings="build_ext=${DELTASERVE_BUILD_EXT:-auto} cuda=${CUDA_HOME:-} arch=${TORCH_CUDA_ARCH_LIST}"
 stamp=.venv/.deltaserve-install
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$settings" ] \
-    && [ -z "$(find csrc setup.py pyproject.toml -newer "$stamp" -print -quit)" ] \
+    && [ -z "$(find csrc cmake setup.py pyproject.toml -newer "$stamp" -print -quit)" ] \
     && .venv/bin/python -c "import deltaserve" 2>/dev/null; then
   echo "deltaserve is installed in $(pwd)/.venv (up to date: $settings)"
   exit 0
