@@ -65,6 +65,7 @@ struct ConvParams {
   int64_t x_row_stride;     // elements between consecutive x rows (>= D)
   int64_t S;                // slots in conv_state
   int rows_per_thread;      // update / verify: rows one thread runs (1..R; the launch sets it)
+  int trigger_late;         // update / verify: PDL dependents launch after the wait (launch sets)
   int N, R, T, D;
 };
 
@@ -127,7 +128,7 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, CAPPED ? 8 : 1)
     step_kernel(const ConvParams p) {
   // gdn_decode / gdn_verify follow this kernel in a model step; they are launched with PDL and
   // prefetch their state rows while it runs (compat.cuh).
-  launch_dependents();
+  if (!p.trigger_late) launch_dependents();
   constexpr int kN = Vec<T>::kN;
   const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   const int per_row = p.D / kN;
@@ -154,6 +155,7 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, CAPPED ? 8 : 1)
     }
   }
   grid_dependency_wait();
+  if (p.trigger_late) launch_dependents();
   // The first row's input is loaded before the slot lookup and the window loads that wait on it.
   Packed<T, kN> xn;
   xn.load(input_row<T, W>(p, 0, n, r0 + W - 1, c0));
@@ -280,6 +282,12 @@ __global__ void __launch_bounds__(kThreads) prefill_windows_kernel(const ConvPar
   }
 }
 
+// Programmatic dependent launch: update and verify grids of at most 2 blocks per multiprocessor
+// let the next kernel launch only after their own grid-dependency wait, larger ones at their
+// start (as gdn_decode's one-tile grids do, gdn_recurrent.cuh). H200, 32-call chains, one run
+// each (session 10, RESULTS.md), early -> late: update B=1 1.61 -> 1.53 us, B=8 1.78 -> 1.71;
+// verify B=1 1.98 -> 1.90, B=8 2.75 -> 2.50; from B=32 on the two were within the run-to-run
+// spread (0.7 us at B=256).
 // Verify's launch shape, measured on the H200 at D = 8192, R = 4, bf16 (RESULTS.md, session 8):
 //  - rows split over threads (rows_per_thread 1) while the unsplit grid is under 2 blocks per
 //    multiprocessor: B = 1 / 8 / 32 took 2.08 / 2.80 / 4.91 us split, 4.33 / 4.68 / 6.58 not;
@@ -295,13 +303,16 @@ template <typename T, int W>
 inline ds_error_t launch_conv_step(ConvParams p, bool verify, ds_stream_t stream) {
   const int64_t chunks = int64_t(p.N) * (p.D / Vec<T>::kN);  // threads with all rows each
   p.rows_per_thread = 1;
-  if (!verify)
-    return launch(step_kernel<T, W, false, false>, ceil_div(chunks, kThreads), kThreads, stream,
-                  Pdl::kOn, p);
   int sms = 0;
   if (multiprocessor_count(&sms) != DS_SUCCESS) sms = 0;
+  if (!verify) {
+    const int64_t blocks = ceil_div(chunks, kThreads);
+    p.trigger_late = blocks <= 2 * int64_t(sms);
+    return launch(step_kernel<T, W, false, false>, blocks, kThreads, stream, Pdl::kOn, p);
+  }
   if (ceil_div(chunks, kThreads) >= 2 * int64_t(sms)) p.rows_per_thread = p.R > 0 ? p.R : 1;
   const int64_t blocks = ceil_div(chunks * ceil_div(p.R, p.rows_per_thread), kThreads);
+  p.trigger_late = blocks <= 2 * int64_t(sms);
   return blocks > 4 * int64_t(sms)
              ? launch(step_kernel<T, W, true, true>, blocks, kThreads, stream, Pdl::kOn, p)
              : launch(step_kernel<T, W, true, false>, blocks, kThreads, stream, Pdl::kOn, p);

@@ -280,6 +280,14 @@ DS_DEVICE void stage_pending(const RecurrentParams& p, RowSmem<K, VROWS, kChunk,
 // no barrier stand between the grid-dependency wait and the first state store. Staging them for
 // the block cost about 1 µs of 3.5 at B=1 and 1.5 µs of 70 at B=64 (session 7, RESULTS.md).
 // 1-D grid: (splits of the G * tiles work tiles, H, N), splits fastest.
+// Programmatic dependent launch: a block of a multi-tile grid lets the next kernel launch at its
+// start, one of a one-tile grid (B <= 3 at Qwen3-Next shapes, one wave) only after its own
+// grid-dependency wait. Measured on the H200 in 32-call chains (session 10, RESULTS.md): at B=1
+// the late trigger took gdn_decode from 3.1 to 2.5-2.6 us, gdn_verify from 4.6 to 3.8 and verify
+// with pending rows from 7.2 to 5.6. In multi-tile grids it moved B=8 and B=64 by under 0.5%,
+// one way in one call and the other way in the next, so they keep the early trigger. (What the
+// B=1 figures fit: an early trigger lets the kernel after the next one launch too, its blocks
+// parked at their wait beside ours; not measured directly.)
 template <typename T, int K, int ROWS, bool MULTI>
 DS_DEVICE void decode_block(const RecurrentParams& p) {
   using L = Layout<K>;
@@ -322,7 +330,7 @@ DS_DEVICE void decode_block(const RecurrentParams& p) {
     beta = gate_beta(to_float(*in.b));
   };
 
-  launch_dependents();  // the next kernel may start its prologue now
+  if constexpr (MULTI) launch_dependents();  // the next kernel may start its prologue now
   const WorkTile first = WorkTile::of(p.tiles, w0);
   const int64_t guess = guess_slot(p, n);
   float* guess_head = head_of(guess, first);
@@ -331,6 +339,7 @@ DS_DEVICE void decode_block(const RecurrentParams& p) {
   const T* kp = static_cast<const T*>(p.k) + n * p.k_stride_n + h * K;
   const Inputs in = inputs_of(first);
   grid_dependency_wait();
+  if constexpr (!MULTI) launch_dependents();  // one-tile grid: late (above)
 
   // The state loads go out first, from the slot read before the wait and checked below: the
   // slot read is then off the path to the first state load.
@@ -396,9 +405,10 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
   };
   const WorkTile first = WorkTile::of(p.tiles, w0);
 
-  launch_dependents();
+  if constexpr (MULTI) launch_dependents();
   prefetch_tile<K, ROWS>(head_of(guess_slot(p, n), first), first.t, p.V);
   grid_dependency_wait();
+  if constexpr (!MULTI) launch_dependents();  // one-tile grids: late, as in gdn_decode
 
   const int64_t slot = p.slots[n];
   int pend = 0;  // uniform per block
