@@ -1,11 +1,16 @@
-"""Same-machine A/B of the GDN kernels: the working tree's extension against a reference tree
-(benchmarks/ab_prepare.sh), each timed by bench_kernels.bench_gdn in its own process, the two
-alternating for --rounds rounds. Prints µs per op and batch (median over rounds) and new / ref.
+"""Same-machine A/B of the recurrent-state kernels: builds of the extension (the working tree, a
+reference tree from benchmarks/ab_prepare.sh, variant trees made the same way), each timed in its
+own process by bench_kernels.bench_gdn (and bench_conv with --conv), the configurations taking
+turns for --rounds rounds. Prints µs per op and batch (median over rounds) and each
+configuration's ratio to the first.
 
-On the device, in one call (both builds share the 16 cores):
+On the device, in one call (the builds share the 16 cores):
     (cd build/ab/ref && python3 setup.py build_ext --inplace -j 8) &
     python3 setup.py build_ext --inplace -j 8; wait
     python3 benchmarks/ab_gdn.py --batches 1,8,64,256 --rounds 2 [--env DS_PDL=0] --out ab.json
+Several builds or environments (session 10 compared six variant trees this way):
+    python3 benchmarks/ab_gdn.py --config ref=build/ab/ref/python --config new=python \\
+        --config nopdl=python,DS_PDL=0 --conv
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OPS = ("gdn_decode", "gdn_verify", "gdn_replay_verify", "gdn_replay")
+GDN_OPS = ("gdn_decode", "gdn_verify", "gdn_replay_verify", "gdn_replay")
+CONV_OPS = ("conv_update", "conv_verify", "conv_commit")
 CHILD = """
 import json, sys, torch
 sys.path.insert(0, {bench!r})
@@ -28,16 +34,22 @@ assert extension_loaded(), "extension not built in " + {path!r}
 out = {{}}
 for n in {batches!r}:
     r = bk.bench_gdn(n, {rows})
+    if {conv!r}:
+        r.update(bk.bench_conv(n, {rows}))
     out[n] = {{op: r[op] for op in {ops!r}}}
     torch.cuda.empty_cache()
 print(json.dumps(out))
 """
 
 
-def run(python_dir: str, batches: list[int], rows: int, env: dict[str, str]) -> dict:
-    """µs per op and batch from one process importing deltaserve from `python_dir`."""
+def run(python_dir: str, batches: list[int], rows: int, env: dict[str, str],
+        conv: bool = False) -> dict:
+    """µs per op and batch from one process importing deltaserve from `python_dir`.
+
+    Raises subprocess.CalledProcessError when the child fails (say, an unbuilt tree)."""
+    ops = GDN_OPS + (CONV_OPS if conv else ())
     code = CHILD.format(bench=os.path.join(ROOT, "benchmarks"), path=python_dir, batches=batches,
-                        rows=rows, ops=OPS)
+                        rows=rows, conv=conv, ops=ops)
     child_env = dict(os.environ, **env)
     child_env["PYTHONPATH"] = os.pathsep.join(
         [python_dir] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -46,34 +58,56 @@ def run(python_dir: str, batches: list[int], rows: int, env: dict[str, str]) -> 
     return {int(n): v for n, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
+def parse_config(spec: str, common: dict[str, str]) -> tuple[str, str, dict[str, str]]:
+    """LABEL=PYTHON_DIR[,NAME=VALUE...] -> (label, python dir, environment)."""
+    label, _, rest = spec.partition("=")
+    path, *pairs = rest.split(",")
+    if not label or not path or any("=" not in kv for kv in pairs):
+        raise SystemExit(f"--config {spec!r}: expected LABEL=PYTHON_DIR[,NAME=VALUE...]")
+    return label, path, dict(common, **dict(kv.split("=", 1) for kv in pairs))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ref", default=os.path.join(ROOT, "build/ab/ref/python"))
     parser.add_argument("--new", default=os.path.join(ROOT, "python"))
+    parser.add_argument("--config", action="append", default=[],
+                        help="LABEL=PYTHON_DIR[,NAME=VALUE...] (repeatable; replaces --ref/--new)")
     parser.add_argument("--batches", default="1,8,64,256")
     parser.add_argument("--rows", type=int, default=4, help="verify rows (k + 1)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--conv", action="store_true", help="also time the conv1d ops")
     parser.add_argument("--env", action="append", default=[],
-                        help="NAME=VALUE for both builds (repeatable), e.g. DS_PDL=0")
+                        help="NAME=VALUE for every configuration (repeatable), e.g. DS_PDL=0")
     parser.add_argument("--out", default="ab_gdn.json")
     args = parser.parse_args()
     batches = [int(x) for x in args.batches.split(",") if x]
     env = dict(kv.split("=", 1) for kv in args.env)
-    runs: dict[str, list[dict]] = {"ref": [], "new": []}
+    if args.config:
+        configs = [parse_config(spec, env) for spec in args.config]
+    else:
+        ref_id = os.path.join(os.path.dirname(args.ref), "REF")
+        ref = open(ref_id).read().strip() if os.path.exists(ref_id) else "ref"
+        configs = [(ref, args.ref, env), ("new", args.new, env)]
+    ops = GDN_OPS + (CONV_OPS if args.conv else ())
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
     for _ in range(args.rounds):
-        for side, path in (("ref", args.ref), ("new", args.new)):
-            runs[side].append(run(path, batches, args.rows, env))
-    table = {side: {n: {op: statistics.median(r[n][op] for r in rs) for op in OPS}
-                    for n in batches} for side, rs in runs.items()}
-    ref_id = os.path.join(os.path.dirname(args.ref), "REF")
-    print(f"ref {open(ref_id).read().strip() if os.path.exists(ref_id) else args.ref} vs "
-          f"working tree, {args.rounds} rounds, env {env or '-'}; µs ref -> new (new/ref)")
-    for op in OPS:
-        cells = [f"B={n} {table['ref'][n][op]:.2f} -> {table['new'][n][op]:.2f} "
-                 f"({table['new'][n][op] / table['ref'][n][op]:.3f})" for n in batches]
-        print(f"{op:<18}" + "; ".join(cells))
+        for label, path, cfg_env in configs:
+            runs[label].append(run(path, batches, args.rows, cfg_env, args.conv))
+    table = {label: {n: {op: statistics.median(r[n][op] for r in rs) for op in ops}
+                     for n in batches} for label, rs in runs.items()}
+    first = configs[0][0]
+    print(f"{args.rounds} rounds; µs per call (ratio to {first})")
+    for op in ops:
+        for n in batches:
+            base = table[first][n][op]
+            cells = [f"{label} {table[label][n][op]:.2f}"
+                     + ("" if label == first else f" ({table[label][n][op] / base:.3f})")
+                     for label, _, _ in configs]
+            print(f"{op:<18} B={n:<4} " + "  ".join(cells))
     with open(args.out, "w") as f:
-        json.dump({"env": env, "rounds": runs, "median": table}, f, indent=1)
+        json.dump({"configs": [{"label": lb, "python": p, "env": e} for lb, p, e in configs],
+                   "rounds": runs, "median": table}, f, indent=1)
 
 
 if __name__ == "__main__":
