@@ -149,7 +149,9 @@ DS_DEVICE void store_vec(T* __restrict__ p, const float (&in)[N]) {
 
 // ---- programmatic dependent launch (sm_90+; no-ops elsewhere and on HIP) ---------------------
 // A kernel launched with `launch(..., Pdl::kOn, ...)` may start while the kernel before it in the
-// stream is still running, once that kernel's blocks have all called launch_dependents(). Before
+// stream is still running, once each block of that kernel has called launch_dependents() (any
+// one of its threads) or exited; its grid_dependency_wait() still waits for the whole of that
+// kernel and its writes, wherever the trigger came. Before
 // grid_dependency_wait() it must not read anything that kernel may write: it only prefetches
 // (prefetch_l2 never returns data, so a stale address costs bandwidth, never a wrong bit) and
 // reads indices that only aim those prefetches, or aim loads after the wait that are checked

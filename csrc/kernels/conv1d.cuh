@@ -127,7 +127,8 @@ template <typename T, int W, bool VERIFY, bool CAPPED>
 __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, CAPPED ? 8 : 1)
     step_kernel(const ConvParams p) {
   // gdn_decode / gdn_verify follow this kernel in a model step; they are launched with PDL and
-  // prefetch their state rows while it runs (compat.cuh).
+  // prefetch their state rows while it runs (from its start, or for a small grid from its wait:
+  // kLateTriggerBlocksPerSm).
   if (!p.trigger_late) launch_dependents();
   constexpr int kN = Vec<T>::kN;
   const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x;
@@ -282,12 +283,15 @@ __global__ void __launch_bounds__(kThreads) prefill_windows_kernel(const ConvPar
   }
 }
 
-// Programmatic dependent launch: update and verify grids of at most 2 blocks per multiprocessor
-// let the next kernel launch only after their own grid-dependency wait, larger ones at their
-// start (as gdn_decode's one-tile grids do, gdn_recurrent.cuh). H200, 32-call chains, one run
-// each (session 10, RESULTS.md), early -> late: update B=1 1.61 -> 1.53 us, B=8 1.78 -> 1.71;
-// verify B=1 1.98 -> 1.90, B=8 2.75 -> 2.50; from B=32 on the two were within the run-to-run
-// spread (0.7 us at B=256).
+// Programmatic dependent launch: update and verify grids of at most kLateTriggerBlocksPerSm
+// blocks per multiprocessor let the next kernel launch only after their own grid-dependency wait
+// (as one-tile gdn_decode / gdn_verify grids do, gdn_recurrent.cuh), larger ones at their start.
+// H200, 32-call chains, one run each (session 10, RESULTS.md), early -> late: update B=1
+// 1.61 -> 1.53 µs, B=8 1.78 -> 1.71; verify B=1 1.98 -> 1.90, B=8 2.75 -> 2.50. Larger grids
+// differed by no more than two runs of the same placement did (update 0.76 µs, verify 1.1 at
+// B=256), so they keep the early trigger. One run each: thin evidence, but in the same direction
+// at all four small points.
+constexpr int kLateTriggerBlocksPerSm = 2;
 // Verify's launch shape, measured on the H200 at D = 8192, R = 4, bf16 (RESULTS.md, session 8):
 //  - rows split over threads (rows_per_thread 1) while the unsplit grid is under 2 blocks per
 //    multiprocessor: B = 1 / 8 / 32 took 2.08 / 2.80 / 4.91 us split, 4.33 / 4.68 / 6.58 not;
@@ -307,12 +311,12 @@ inline ds_error_t launch_conv_step(ConvParams p, bool verify, ds_stream_t stream
   if (multiprocessor_count(&sms) != DS_SUCCESS) sms = 0;
   if (!verify) {
     const int64_t blocks = ceil_div(chunks, kThreads);
-    p.trigger_late = blocks <= 2 * int64_t(sms);
+    p.trigger_late = blocks <= kLateTriggerBlocksPerSm * int64_t(sms);
     return launch(step_kernel<T, W, false, false>, blocks, kThreads, stream, Pdl::kOn, p);
   }
   if (ceil_div(chunks, kThreads) >= 2 * int64_t(sms)) p.rows_per_thread = p.R > 0 ? p.R : 1;
   const int64_t blocks = ceil_div(chunks * ceil_div(p.R, p.rows_per_thread), kThreads);
-  p.trigger_late = blocks <= 2 * int64_t(sms);
+  p.trigger_late = blocks <= kLateTriggerBlocksPerSm * int64_t(sms);
   return blocks > 4 * int64_t(sms)
              ? launch(step_kernel<T, W, true, true>, blocks, kThreads, stream, Pdl::kOn, p)
              : launch(step_kernel<T, W, true, false>, blocks, kThreads, stream, Pdl::kOn, p);

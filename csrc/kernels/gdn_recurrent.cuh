@@ -281,13 +281,14 @@ DS_DEVICE void stage_pending(const RecurrentParams& p, RowSmem<K, VROWS, kChunk,
 // the block cost about 1 µs of 3.5 at B=1 and 1.5 µs of 70 at B=64 (session 7, RESULTS.md).
 // 1-D grid: (splits of the G * tiles work tiles, H, N), splits fastest.
 // Programmatic dependent launch: a block of a multi-tile grid lets the next kernel launch at its
-// start, one of a one-tile grid (B <= 3 at Qwen3-Next shapes, one wave) only after its own
-// grid-dependency wait. Measured on the H200 in 32-call chains (session 10, RESULTS.md): at B=1
-// the late trigger took gdn_decode from 3.1 to 2.5-2.6 us, gdn_verify from 4.6 to 3.8 and verify
-// with pending rows from 7.2 to 5.6. In multi-tile grids it moved B=8 and B=64 by under 0.5%,
-// one way in one call and the other way in the next, so they keep the early trigger. (What the
-// B=1 figures fit: an early trigger lets the kernel after the next one launch too, its blocks
-// parked at their wait beside ours; not measured directly.)
+// start, one of a one-tile grid only after its own grid-dependency wait. One-tile grids are the
+// small ones: B <= 7 at Qwen3-Next shapes (and any verify with R > kChunk). Measured on the H200
+// in 32-call chains (session 10, RESULTS.md): at B=1 the late trigger took gdn_decode from 3.1
+// to 2.5-2.6 µs, gdn_verify from 4.6 to 3.8 and verify with pending rows from 7.2 to 5.6; B=2-7
+// were not measured. In multi-tile grids it moved B=8 and B=64 by up to 0.7%, one way in one
+// call and the other way in the next, so they keep the early trigger. (What the B=1 figures
+// fit: an early trigger lets the kernel after the next one launch too, its blocks parked at
+// their wait beside ours; not measured directly.)
 template <typename T, int K, int ROWS, bool MULTI>
 DS_DEVICE void decode_block(const RecurrentParams& p) {
   using L = Layout<K>;
