@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Device side of a same-machine A/B of kernel changes, in one call: builds the working tree and
+# every tree under build/ab/ (made here with benchmarks/ab_prepare.sh REF NAME) side by side, runs
+# the kernel and model gpu tests on the working tree, then times every build with ab_gdn.py
+# (build/ab/ref first, so ratios are to it). Logs and JSON go to $OUT. Carry ".whl" and
+# "build/ab". Session 10 ran this sequence by hand four times.
+#   AB_ARGS="--batches 1,8,64,256 --rounds 2 --conv" TESTS=1 bash benchmarks/device_ab.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD/python PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST=9.0 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+shopt -s nullglob
+trees=()
+for t in build/ab/*/; do trees+=("${t%/}"); done
+jobs=$(( $(nproc) / (${#trees[@]} + 1) ))
+[ "$jobs" -lt 2 ] && jobs=2
+for t in "${trees[@]}"; do
+  (cd "$t" && python3 setup.py build_ext --inplace -j "$jobs" > "$OUT/build_$(basename "$t").log" 2>&1 \
+    || echo "build failed: $t") &
+done
+python3 setup.py build_ext --inplace -j "$jobs" > "$OUT/build.log" 2>&1 \
+  || { tail -30 "$OUT/build.log"; exit 1; }
+wait
+echo "built in ${SECONDS}s: working tree ${trees[*]}"
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout -s KILL "${TESTS_TIMEOUT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/ops tests/model > "$OUT/gpu_ops.log" 2>&1
+  echo "gpu tests (exit $?): $(grep -E "passed|failed|error" "$OUT/gpu_ops.log" | tail -1)"
+fi
+configs=()
+[ -d build/ab/ref ] && configs+=(--config ref=build/ab/ref/python)
+configs+=(--config new=python)
+for t in "${trees[@]}"; do
+  [ "$t" != build/ab/ref ] && configs+=(--config "$(basename "$t")=$t/python")
+done
+# shellcheck disable=SC2086  # AB_ARGS is a list of options
+timeout -s KILL "${AB_TIMEOUT:-300}" python3 benchmarks/ab_gdn.py "${configs[@]}" ${AB_ARGS:-} \
+  --out "$OUT/ab.json" > "$OUT/ab.log" 2>&1
+echo "ab_gdn (exit $?), ${SECONDS}s:"
+tail -60 "$OUT/ab.log"
