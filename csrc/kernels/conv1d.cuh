@@ -306,17 +306,17 @@ constexpr int kLateTriggerBlocksPerSm = 2;
 template <typename T, int W>
 inline ds_error_t launch_conv_step(ConvParams p, bool verify, ds_stream_t stream) {
   const int64_t chunks = int64_t(p.N) * (p.D / Vec<T>::kN);  // threads with all rows each
-  p.rows_per_thread = 1;
   int sms = 0;
   if (multiprocessor_count(&sms) != DS_SUCCESS) sms = 0;
-  if (!verify) {
-    const int64_t blocks = ceil_div(chunks, kThreads);
-    p.trigger_late = blocks <= kLateTriggerBlocksPerSm * int64_t(sms);
-    return launch(step_kernel<T, W, false, false>, blocks, kThreads, stream, Pdl::kOn, p);
+  int64_t blocks = ceil_div(chunks, kThreads);
+  p.rows_per_thread = 1;
+  if (verify) {
+    if (blocks >= 2 * int64_t(sms)) p.rows_per_thread = p.R > 0 ? p.R : 1;
+    blocks = ceil_div(chunks * ceil_div(p.R, p.rows_per_thread), kThreads);
   }
-  if (ceil_div(chunks, kThreads) >= 2 * int64_t(sms)) p.rows_per_thread = p.R > 0 ? p.R : 1;
-  const int64_t blocks = ceil_div(chunks * ceil_div(p.R, p.rows_per_thread), kThreads);
   p.trigger_late = blocks <= kLateTriggerBlocksPerSm * int64_t(sms);
+  if (!verify)
+    return launch(step_kernel<T, W, false, false>, blocks, kThreads, stream, Pdl::kOn, p);
   return blocks > 4 * int64_t(sms)
              ? launch(step_kernel<T, W, true, true>, blocks, kThreads, stream, Pdl::kOn, p)
              : launch(step_kernel<T, W, true, false>, blocks, kThreads, stream, Pdl::kOn, p);

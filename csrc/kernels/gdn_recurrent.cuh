@@ -103,9 +103,10 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   int v_hv[kSlots], v_row[kSlots];  // v_row -1: past the span or past V (nothing loaded)
 #pragma unroll
   for (int u = 0; u < kSlots; ++u) {
-    const int c = slot_col(u), w = w0 + c / BR, hi = p.tiles.div(w);
-    v_hv[u] = h * G + hi;
-    v_row[u] = (w - hi * int(p.tiles.d)) * BR + c % BR;
+    const int c = slot_col(u);
+    const WorkTile wt = WorkTile::of(p.tiles, w0 + c / BR);
+    v_hv[u] = h * G + wt.hi;
+    v_row[u] = wt.t * BR + c % BR;
     if (c >= span || v_row[u] >= p.V) v_row[u] = -1;
   }
   const auto load_v = [&](int r0, float (&v)[kSlots]) {
@@ -151,14 +152,16 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
     }
   }
   for (int e = rt; e < ng; e += kThreads) {
-    const int r = e % CH, i = e / CH, w = w0 + i, hi = p.tiles.div(w), hv = h * G + hi;
+    const int r = e % CH, i = e / CH;
+    const WorkTile wt = WorkTile::of(p.tiles, w0 + i);
+    const int hv = h * G + wt.hi;
     if (r >= rc) continue;
     if (e > rt) load_gate(e);
     const float g = gate_g(ga, a_log, dt_bias);
     const float beta = gate_beta(gb);
     sm.decay[r][i] = gate_decay(g);
     sm.beta[r][i] = beta;
-    if (w == hi * int(p.tiles.d)) {
+    if (wt.t == 0) {  // once per value head: each of its tiles computes the same gates
       const int64_t sr = int64_t(n) * p.R_max + c0 + r;
       p.stash_g[sr * p.HV + hv] = g;
       p.stash_beta[sr * p.HV + hv] = beta;

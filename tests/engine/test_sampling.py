@@ -88,7 +88,6 @@ def test_a_stop_string_cuts_the_text_and_prefixes_are_held_back():
     assert det.text == "abExy"
 
 
-
 def test_held_back_is_the_longest_proper_prefix_of_the_stop_string_the_text_ends_with():
     def brute(text, end, stop):
         return next((n for n in range(min(len(stop) - 1, end), 0, -1)
