@@ -6,11 +6,7 @@
 # "build/ab". Session 10 ran this sequence by hand four times.
 #   AB_ARGS="--batches 1,8,64,256 --rounds 2 --conv" TESTS=1 bash benchmarks/device_ab.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD/python PYTHONUNBUFFERED=1
-export TORCH_CUDA_ARCH_LIST=9.0 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+source "$(dirname "$0")/device_env.sh"
 shopt -s nullglob
 trees=()
 for t in build/ab/*/; do trees+=("${t%/}"); done

@@ -9,12 +9,8 @@
 # transformers oracle in the gpu tests take minutes): split, e.g. STEPS="tests e2e spec" then
 # STEPS="prefix rest". Session 2 learned this the hard way (RESULTS.md).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
 STEPS=${STEPS:-"tests e2e spec prefix rest"}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD/python PYTHONUNBUFFERED=1
-export TORCH_CUDA_ARCH_LIST=9.0 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+source "$(dirname "$0")/device_env.sh"
 python3 setup.py build_ext --inplace -j 16 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 python3 -c "import torch, deltaserve.ops._ext as e; print('extension loaded:', e.extension_loaded())"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
