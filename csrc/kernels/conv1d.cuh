@@ -72,6 +72,15 @@ struct ConvParams {
 template <typename T, int W>
 using Window = Packed<T, Vec<T>::kN>[W - 1];  // rows 0 .. W-2 (oldest first) of VEC channels
 
+// silu(x) = x / (1 + exp(-x)) with the hardware exponential and reciprocal (__expf, __fdividef:
+// a few ulp of fp32; exp(-x) = inf gives -0, the limit). The accurate expf and IEEE division
+// were ~25 instructions per output, and this one change took conv update at B = 1 / 8 / 64
+// from 1.56 / 1.71 / 3.78 to 1.37 / 1.44 / 3.35 us and verify at B = 256 / 512 from 21.5 /
+// 39.3 to 18.6 / 33.9 (H200, session 11, RESULTS.md); verify at B = 8 went 2.47 -> 2.73. Every conv kernel goes through this
+// one function, so update, verify, commit and prefill agree bit for bit; the torch reference
+// is matched to within one ulp of a 16-bit output (tests/ops/test_conv1d_gpu.py).
+DS_DEVICE float silu(float x) { return __fdividef(x, fadd(1.f, __expf(-x))); }
+
 template <typename T, int W>
 struct Channels {  // the VEC channels [c0, c0 + VEC) of one thread
   static constexpr int kN = Vec<T>::kN;
@@ -93,7 +102,7 @@ struct Channels {  // the VEC channels [c0, c0 + VEC) of one thread
 #pragma unroll
       for (int i = 0; i < W - 1; ++i) acc = ffma(z[i].get(c), w.get(c * W + i), acc);
       acc = ffma(xn.get(c), w.get(c * W + W - 1), acc);
-      y[c] = fdiv(acc, fadd(1.f, fexp(-acc)));  // silu
+      y[c] = silu(acc);
     }
   }
 };

@@ -50,7 +50,9 @@ def test_update_matches_the_reference_with_shuffled_and_padding_slots(n, dtype):
     y = causal_conv1d_update(x, weight, bias, state, slots)
     y_ref = conv1d_update_ref(x, weight, bias, ref, slots)
     real = (slots != 0).nonzero().flatten()
-    tol = 1e-2 if dtype is torch.bfloat16 else 1e-5
+    # one ulp of a 16-bit output: the kernel's silu (hardware exp and reciprocal, a few ulp of
+    # fp32) may round a 16-bit value the other way from the reference's
+    tol = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}[dtype]
     torch.testing.assert_close(y[real], y_ref[real], atol=tol, rtol=tol)
     assert torch.equal(state[1:], ref[1:])
 
