@@ -130,10 +130,12 @@ DS_DEVICE const T* input_row(const ConvParams& p, int64_t slot, int n, int i, in
 // channels of rows [r0, r0 + rows_per_thread) of one request: verify's rows depend only on the
 // inputs (window ++ x), not on each other, so with few requests they are split over threads
 // (row r's window is inputs r .. r+W-2): at B = 1 and R = 4, one thread running all R rows'
-// fma chains and divisions in turn took 4.33 us, one row per thread 2.04 (session 8).
+// fma chains and divisions in turn took 4.33 us, one row per thread 2.04 (session 8). A thread
+// loads the inputs of AHEAD rows at once (below); MIN_BLOCKS is its launch bound's blocks per
+// SM (launch_conv_step says which shape runs where).
 // Grid (1-D): (request, row split, channel chunk), chunks fastest.
-template <typename T, int W, bool VERIFY, bool CAPPED>
-__global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, CAPPED ? 8 : 1)
+template <typename T, int W, bool VERIFY, int AHEAD, int MIN_BLOCKS>
+__global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, MIN_BLOCKS)
     step_kernel(const ConvParams p) {
   // gdn_decode / gdn_verify follow this kernel in a model step; they are launched with PDL and
   // prefetch their state rows while it runs (from its start, or for a small grid from its wait:
@@ -166,19 +168,32 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, CAPPED ? 8 : 1)
   }
   grid_dependency_wait();
   if (p.trigger_late) launch_dependents();
-  // The first row's input is loaded before the slot lookup and the window loads that wait on it.
-  Packed<T, kN> xn;
-  xn.load(input_row<T, W>(p, 0, n, r0 + W - 1, c0));
+  // The inputs of up to AHEAD rows are loaded before the slot lookup and the window loads that
+  // wait on it, and before any output is stored: y may alias x as far as the compiler knows, so
+  // a row's input loaded after the previous row's store waits for that store.
+  constexpr int kAhead = AHEAD;
+  Packed<T, kN> xs[kAhead];
+  const auto load_inputs = [&](int r) {
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j)
+      if (r + j < r1) xs[j].load(input_row<T, W>(p, 0, n, r + j + W - 1, c0));
+  };
+  load_inputs(r0);
   const int64_t slot = p.slots[n];
   Window<T, W> z;
 #pragma unroll
   for (int i = 0; i < W - 1; ++i) z[i].load(input_row<T, W>(p, slot, n, r0 + i, c0));
-  for (int r = r0; r < r1; ++r) {
-    if (r > r0) xn.load(input_row<T, W>(p, 0, n, r + W - 1, c0));
-    float y[kN];
-    ch.point(z, xn, y);
-    store_vec<T, kN>(static_cast<T*>(p.y) + (int64_t(n) * p.R + r) * p.D + c0, y);
-    shift_in<T, W>(z, xn);
+#pragma unroll 1
+  for (int r = r0; r < r1; r += kAhead) {
+    if (r > r0) load_inputs(r);
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) {
+      if (r + j >= r1) break;
+      float y[kN];
+      ch.point(z, xs[j], y);
+      store_vec<T, kN>(static_cast<T*>(p.y) + (int64_t(n) * p.R + r + j) * p.D + c0, y);
+      shift_in<T, W>(z, xs[j]);
+    }
   }
   if constexpr (!VERIFY) {
 #pragma unroll
@@ -301,17 +316,20 @@ __global__ void __launch_bounds__(kThreads) prefill_windows_kernel(const ConvPar
 // B=256), so they keep the early trigger. One run each: thin evidence, but in the same direction
 // at all four small points.
 constexpr int kLateTriggerBlocksPerSm = 2;
-// Verify's launch shape, measured on the H200 at D = 8192, R = 4, bf16 (RESULTS.md, session 8):
+// Verify's launch shapes, measured on the H200 at D = 8192, R = 4, bf16 (RESULTS.md):
 //  - rows split over threads (rows_per_thread 1) while the unsplit grid is under 2 blocks per
 //    multiprocessor: B = 1 / 8 / 32 took 2.08 / 2.80 / 4.91 us split, 4.33 / 4.68 / 6.58 not;
-//    at B = 64 splitting cost 16% (more blocks than fit at once, each loading 4 input rows);
-//  - a cap of 8 blocks per SM (64 registers; bf16 spills 4 bytes, f16 12, fp32 none) once the
-//    grid is over 4 blocks per multiprocessor: B = 256 / 512 took 20.9 / 38.8 us capped,
-//    27.8 / 50.3 not (87 registers, 5 blocks per SM); below that the cap only slowed each
-//    thread (B = 64: 8.2 capped, 7.2 not).
-// Both shapes are correct for any grid, so if the multiprocessor count cannot be read the
-// launch takes the large-grid shape (unsplit, capped). Update needs neither: one row, 60
-// registers unforced.
+//    at B = 64 splitting cost 16% (more blocks than fit at once, each loading 4 input rows)
+//    (session 8);
+//  - from 2 to 4 blocks per multiprocessor, each thread loads kVerifyAhead rows' inputs at once,
+//    held at 4 blocks per SM (128 registers, no spill): B = 64 6.11 -> 5.46 us (session 11);
+//  - over 4 blocks per multiprocessor, one row's input at a time, capped at 8 blocks per SM
+//    (64 registers): B = 256 / 512 took 20.9 / 38.8 us capped, 27.8 / 50.3 not (session 8);
+//    loading 4 rows ahead there, at 4 blocks per SM, cost 5-12% (18.5 -> 20.5 us at B = 256,
+//    session 11) with the fast silu, 22-26% without.
+// Every shape is correct for any grid, so if the multiprocessor count cannot be read the
+// launch takes the large-grid one. Update needs none of this: one row, ~60 registers unforced.
+constexpr int kVerifyAhead = 4;
 template <typename T, int W>
 inline ds_error_t launch_conv_step(ConvParams p, bool verify, ds_stream_t stream) {
   const int64_t chunks = int64_t(p.N) * (p.D / Vec<T>::kN);  // threads with all rows each
@@ -324,11 +342,13 @@ inline ds_error_t launch_conv_step(ConvParams p, bool verify, ds_stream_t stream
     blocks = ceil_div(chunks * ceil_div(p.R, p.rows_per_thread), kThreads);
   }
   p.trigger_late = blocks <= kLateTriggerBlocksPerSm * int64_t(sms);
-  if (!verify)
-    return launch(step_kernel<T, W, false, false>, blocks, kThreads, stream, Pdl::kOn, p);
-  return blocks > 4 * int64_t(sms)
-             ? launch(step_kernel<T, W, true, true>, blocks, kThreads, stream, Pdl::kOn, p)
-             : launch(step_kernel<T, W, true, false>, blocks, kThreads, stream, Pdl::kOn, p);
+  const auto go = [&](auto kernel) {
+    return launch(kernel, blocks, kThreads, stream, Pdl::kOn, p);
+  };
+  if (!verify) return go(step_kernel<T, W, false, 1, 1>);
+  if (p.rows_per_thread == 1) return go(step_kernel<T, W, true, 1, 1>);
+  if (blocks > 4 * int64_t(sms)) return go(step_kernel<T, W, true, 1, 8>);
+  return go(step_kernel<T, W, true, kVerifyAhead, 4>);
 }
 
 template <typename T, int W>
