@@ -5,6 +5,7 @@
 # (build/ab/ref first, so ratios are to it). Logs and JSON go to $OUT. Carry ".whl" and
 # "build/ab". Session 10 ran this sequence by hand four times.
 #   AB_ARGS="--batches 1,8,64,256 --rounds 2 --conv" TESTS=1 bash benchmarks/device_ab.sh
+#   (AB_CONFIGS: extra LABEL=PYTHON_DIR[,NAME=VALUE...] configurations, space-separated)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 shopt -s nullglob
@@ -31,6 +32,8 @@ configs+=(--config new=python)
 for t in "${trees[@]}"; do
   [ "$t" != build/ab/ref ] && configs+=(--config "$(basename "$t")=$t/python")
 done
+# more builds-with-environments, e.g. AB_CONFIGS="rows1=build/ab/ref/python,DS_GDN_ROWS=1"
+for c in ${AB_CONFIGS:-}; do configs+=(--config "$c"); done
 # shellcheck disable=SC2086  # AB_ARGS is a list of options
 timeout -s KILL "${AB_TIMEOUT:-300}" python3 benchmarks/ab_gdn.py "${configs[@]}" ${AB_ARGS:-} \
   --out "$OUT/ab.json" > "$OUT/ab.log" 2>&1
