@@ -76,7 +76,7 @@ using Window = Packed<T, Vec<T>::kN>[W - 1];  // rows 0 .. W-2 (oldest first) of
 // a few ulp of fp32; exp(-x) = inf gives -0, the limit). The accurate expf and IEEE division
 // were ~25 instructions per output, and this one change took conv update at B = 1 / 8 / 64
 // from 1.56 / 1.71 / 3.78 to 1.37 / 1.44 / 3.35 us and verify at B = 256 / 512 from 21.5 /
-// 39.3 to 18.6 / 33.9 (H200, session 11, RESULTS.md); verify at B = 8 went 2.47 -> 2.73. Every conv kernel goes through this
+// 39.3 to 18.6 / 33.9 (H200, session 11, RESULTS.md). Every conv kernel goes through this
 // one function, so update, verify, commit and prefill agree bit for bit; the torch reference
 // is matched to within one ulp of a 16-bit output (tests/ops/test_conv1d_gpu.py).
 DS_DEVICE float silu(float x) { return __fdividef(x, fadd(1.f, __expf(-x))); }
@@ -317,18 +317,21 @@ __global__ void __launch_bounds__(kThreads) prefill_windows_kernel(const ConvPar
 // at all four small points.
 constexpr int kLateTriggerBlocksPerSm = 2;
 // Verify's launch shapes, measured on the H200 at D = 8192, R = 4, bf16 (RESULTS.md):
-//  - rows split over threads (rows_per_thread 1) while the unsplit grid is under 2 blocks per
-//    multiprocessor: B = 1 / 8 / 32 took 2.08 / 2.80 / 4.91 us split, 4.33 / 4.68 / 6.58 not;
-//    at B = 64 splitting cost 16% (more blocks than fit at once, each loading 4 input rows)
-//    (session 8);
-//  - from 2 to 4 blocks per multiprocessor, each thread loads kVerifyAhead rows' inputs at once,
+//  - rows split over threads (rows_per_thread 1) while the unsplit grid has under a quarter of a
+//    block per multiprocessor (B <= 4 here): B = 1 took 1.82 us split, 2.25 not; from B = 8 the
+//    unsplit kernel below was as fast or faster (B = 8 / 16 / 32: 2.38 / 3.18 / 3.75 against
+//    2.69 / 3.11 / 6.06 split; session 11, B = 2-7 not measured). Session 8 had split up to 2
+//    blocks per multiprocessor, measured against a thread that loaded each row's input after
+//    storing the previous row;
+//  - up to 4 blocks per multiprocessor, each thread loads kVerifyAhead rows' inputs at once,
 //    held at 4 blocks per SM (128 registers, no spill): B = 64 6.11 -> 5.46 us (session 11);
 //  - over 4 blocks per multiprocessor, one row's input at a time, capped at 8 blocks per SM
 //    (64 registers): B = 256 / 512 took 20.9 / 38.8 us capped, 27.8 / 50.3 not (session 8);
 //    loading 4 rows ahead there, at 4 blocks per SM, cost 5-12% (18.5 -> 20.5 us at B = 256,
 //    session 11) with the fast silu, 22-26% without.
 // Every shape is correct for any grid, so if the multiprocessor count cannot be read the
-// launch takes the large-grid one. Update needs none of this: one row, ~60 registers unforced.
+// launch takes the large-grid one. DS_CONV_SPLIT=0|1 forces the split (tuning runs). Update
+// needs none of this: one row, ~60 registers unforced.
 constexpr int kVerifyAhead = 4;
 template <typename T, int W>
 inline ds_error_t launch_conv_step(ConvParams p, bool verify, ds_stream_t stream) {
@@ -338,7 +341,9 @@ inline ds_error_t launch_conv_step(ConvParams p, bool verify, ds_stream_t stream
   int64_t blocks = ceil_div(chunks, kThreads);
   p.rows_per_thread = 1;
   if (verify) {
-    if (blocks >= 2 * int64_t(sms)) p.rows_per_thread = p.R > 0 ? p.R : 1;
+    bool split = 4 * blocks < int64_t(sms);
+    if (const char* forced = std::getenv("DS_CONV_SPLIT")) split = forced[0] == '1';  // tuning
+    if (!split) p.rows_per_thread = p.R > 0 ? p.R : 1;
     blocks = ceil_div(chunks * ceil_div(p.R, p.rows_per_thread), kThreads);
   }
   p.trigger_late = blocks <= kLateTriggerBlocksPerSm * int64_t(sms);

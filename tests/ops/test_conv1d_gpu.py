@@ -58,18 +58,19 @@ def test_update_matches_the_reference_with_shuffled_and_padding_slots(n, dtype):
 
 
 def _verify_shape_requests(shape: str, dtype: torch.dtype, d: int) -> int:
-    """Requests that put verify with R >= 4 in one of its four launch shapes (conv1d.cuh,
-    launch_conv_step): its rows split over threads while the unsplit grid is under 2 blocks
-    per multiprocessor, and its registers capped once the grid is over 4."""
+    """Requests that put verify with R >= 4 in each of its launch shapes (conv1d.cuh,
+    launch_conv_step): rows split over threads while the unsplit grid is under a quarter of a
+    block per multiprocessor, rows loaded ahead up to 4 blocks per multiprocessor (at 1.5 and
+    3), one row at a time with registers capped above that."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     per_req = d // (16 // dtype.itemsize) // 128  # unsplit blocks of 128 threads per request
-    return {"split": 3, "split_capped": 3 * sms // (2 * per_req), "whole": 3 * sms // per_req,
-            "whole_capped": 6 * sms // per_req}[shape]
+    return {"split": 3, "ahead": 3 * sms // (2 * per_req), "ahead_full": 3 * sms // per_req,
+            "capped": 6 * sms // per_req}[shape]
 
 
 @pytest.mark.parametrize("rows", [1, 4, 8])
 @pytest.mark.parametrize("bias_on", [True, False])
-@pytest.mark.parametrize("shape", ["split", "split_capped", "whole", "whole_capped"])
+@pytest.mark.parametrize("shape", ["split", "ahead", "ahead_full", "capped"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_verify_equals_stepwise_updates_bitwise_and_leaves_windows_untouched(rows, bias_on, shape,
                                                                             dtype):
@@ -87,6 +88,19 @@ def test_verify_equals_stepwise_updates_bitwise_and_leaves_windows_untouched(row
         assert torch.equal(y[:, r], causal_conv1d_update(x[:, r], weight, bias, stepped, slots))
     torch.testing.assert_close(y, conv1d_verify_ref(x, weight, bias, before, slots), atol=1e-2,
                                rtol=1e-2)
+
+
+@pytest.mark.parametrize("n", [1, 8, 200])
+def test_verify_gives_the_same_bits_with_rows_split_or_not(n, monkeypatch):
+    d, rows = 2048, 4
+    gen, weight, bias, state = _setup(d, n + 1, torch.bfloat16, seed=n)
+    x = torch.randn(n, rows, d, generator=gen).to(torch.bfloat16).to(DEV)
+    slots = _slots(n, n + 1, seed=3)
+    outs = []
+    for split in ("1", "0"):
+        monkeypatch.setenv("DS_CONV_SPLIT", split)
+        outs.append(causal_conv1d_verify(x, weight, bias, state, slots))
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 8])
