@@ -87,6 +87,24 @@ def test_chat_messages_become_template_messages():
     assert e.value.param == "messages.0.content"
 
 
+@pytest.mark.parametrize("message,says", [
+    ({"role": "user"}, "user message needs content"),
+    ({"role": "system", "content": None}, "system message needs content"),
+    ({"role": "user", "content": [{"type": "text"}]}, "needs a 'text' string"),
+])
+def test_a_message_without_text_is_refused_with_what_is_missing(message, says):
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}, message])
+    with pytest.raises(InvalidRequest) as e:
+        body.template_messages()
+    assert e.value.param == "messages.1.content" and says in e.value.message
+
+
+def test_an_assistant_message_may_leave_content_out():
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"},
+                                           {"role": "assistant", "content": None}])
+    assert body.template_messages()[1] == {"role": "assistant", "content": ""}
+
+
 def test_usage_reports_cached_tokens_in_the_openai_field():
     usage = Usage.of(prompt=200, completion=5, cached=128).model_dump()
     assert usage == {"prompt_tokens": 200, "completion_tokens": 5, "total_tokens": 205,

@@ -167,14 +167,23 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def text(self, index: int) -> str:
-        """The message's text; raises InvalidRequest for non-text content parts."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
+        """The message's text. Raises InvalidRequest for non-text content parts, a text part
+        without text, and missing content on any role but assistant (OpenAI lets only an
+        assistant message leave content out)."""
+        param = f"messages.{index}.content"
+        if self.content is None:
+            if self.role != "assistant":
+                raise InvalidRequest(f"a {self.role} message needs content", param)
+            return ""
+        if isinstance(self.content, str):
+            return self.content
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise InvalidRequest(f"content part type {part.type!r} is not supported: only "
-                                     "text parts", f"messages.{index}.content")
-        return "".join(part.text or "" for part in self.content)
+                                     "text parts", param)
+            if part.text is None:
+                raise InvalidRequest("a text content part needs a 'text' string", param)
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_GenerationRequest):
