@@ -73,12 +73,13 @@ template <typename T, int W>
 using Window = Packed<T, Vec<T>::kN>[W - 1];  // rows 0 .. W-2 (oldest first) of VEC channels
 
 // silu(x) = x / (1 + exp(-x)) with the hardware exponential and reciprocal (CUDA's documented
-// bounds: __expf 2 + 1.17 |x| ulp, __fdividef 2 ulp; exp(-x) = inf gives -0, the limit). The accurate expf and IEEE division
-// were ~25 instructions per output, and this one change took conv update at B = 1 / 8 / 64
-// from 1.56 / 1.71 / 3.78 to 1.37 / 1.44 / 3.35 us and verify at B = 256 / 512 from 21.5 /
-// 39.3 to 18.6 / 33.9 (H200, session 11, RESULTS.md). Every conv kernel goes through this
-// one function, so update, verify, commit and prefill agree bit for bit; the torch reference
-// is matched to within one ulp of a 16-bit output (tests/ops/test_conv1d_gpu.py).
+// bounds: __expf 2 + 1.17 |x| ulp, __fdividef 2 ulp; exp(-x) = inf gives -0, the limit). The
+// accurate expf and IEEE division were ~25 instructions per output; this one change took conv
+// update at B = 1 / 8 / 64 from 1.56 / 1.71 / 3.78 to 1.37 / 1.44 / 3.35 us and verify at
+// B = 256 / 512 from 21.5 / 39.3 to 18.6 / 33.9 (H200, session 11, RESULTS.md). Every conv
+// kernel goes through this one function, so update, verify, commit and prefill agree bit for
+// bit; the torch reference is matched to within one ulp of a 16-bit output
+// (tests/ops/test_conv1d_gpu.py).
 DS_DEVICE float silu(float x) { return __fdividef(x, fadd(1.f, __expf(-x))); }
 
 template <typename T, int W>
@@ -171,11 +172,10 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, MIN_BLOCKS)
   // The inputs of up to AHEAD rows are loaded before the slot lookup and the window loads that
   // wait on it, and before any output is stored: y may alias x as far as the compiler knows, so
   // a row's input loaded after the previous row's store waits for that store.
-  constexpr int kAhead = AHEAD;
-  Packed<T, kN> xs[kAhead];
+  Packed<T, kN> xs[AHEAD];
   const auto load_inputs = [&](int r) {
 #pragma unroll
-    for (int j = 0; j < kAhead; ++j)
+    for (int j = 0; j < AHEAD; ++j)
       if (r + j < r1) xs[j].load(input_row<T, W>(p, 0, n, r + j + W - 1, c0));
   };
   load_inputs(r0);
@@ -184,10 +184,10 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, MIN_BLOCKS)
 #pragma unroll
   for (int i = 0; i < W - 1; ++i) z[i].load(input_row<T, W>(p, slot, n, r0 + i, c0));
 #pragma unroll 1
-  for (int r = r0; r < r1; r += kAhead) {
+  for (int r = r0; r < r1; r += AHEAD) {
     if (r > r0) load_inputs(r);
 #pragma unroll
-    for (int j = 0; j < kAhead; ++j) {
+    for (int j = 0; j < AHEAD; ++j) {
       if (r + j >= r1) break;
       float y[kN];
       ch.point(z, xs[j], y);

@@ -64,7 +64,8 @@ def _verify_shape_requests(shape: str, dtype: torch.dtype, d: int) -> int:
     3), one row at a time with registers capped above that."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     per_req = d // (16 // dtype.itemsize) // 128  # unsplit blocks of 128 threads per request
-    return {"split": 3, "ahead": 3 * sms // (2 * per_req), "ahead_full": 3 * sms // per_req,
+    split = max(1, min(3, (sms - 1) // (4 * per_req)))  # 4 * blocks < sms where 1 request allows
+    return {"split": split, "ahead": 3 * sms // (2 * per_req), "ahead_full": 3 * sms // per_req,
             "capped": 6 * sms // per_req}[shape]
 
 
