@@ -170,16 +170,14 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
 }
 
 // The staged rows c0 .. c0+rc-1 through this thread's state rows of the span's tile slot i, one
-// output per row.
+// output per row: o is row c0's output of the tile's value head ([V] of T, rows HV * V apart).
 template <typename T, int K, int ROWS, int VROWS, int CH, int TILES>
 DS_DEVICE void run_rows(const RecurrentParams& p, const RowSmem<K, VROWS, CH, true, TILES>& sm,
-                        float (&s)[ROWS][kPerLane], const int (&row)[ROWS], int n, int hv, int i,
-                        int c0, int rc) {
+                        float (&s)[ROWS][kPerLane], const int (&row)[ROWS], T* o, int i, int rc) {
   using L = Layout<K>;
   constexpr int BR = Tile<K, ROWS>::kRows;
   const int lane = L::group_lane(), grp = L::group();
-  T* o = static_cast<T*>(p.o) + ((int64_t(n) * p.R + c0) * p.HV + hv) * p.V;
-  const int64_t o_row = int64_t(p.HV) * p.V;  // one verify row further
+  const int o_row = p.HV * p.V;  // one verify row further (HV * V < 2^31: the launch checks)
   for (int r = 0; r < rc; ++r, o += o_row) {
     float k[kPerLane], q[kPerLane];
     load_slice<K>(sm.k[r], lane, k);
@@ -407,6 +405,10 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
   const auto head_of = [&](int64_t slot, WorkTile wt) {
     return p.state + (slot * p.HV + h * p.G + wt.hi) * head_elems;
   };
+  // Row 0's output of value head h * G + wt.hi: [V] of T, the next row HV * V further.
+  const auto out_of = [&](WorkTile wt) {
+    return static_cast<T*>(p.o) + (int64_t(n) * p.R * p.HV + h * p.G + wt.hi) * p.V;
+  };
   const WorkTile first = WorkTile::of(p.tiles, w0);
 
   if constexpr (MULTI) launch_dependents();
@@ -434,9 +436,11 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
     __syncthreads();
     WorkTile wt = first;
     float* head = head_of(slot, first);  // the state of value head h * G + wt.hi
+    T* o = out_of(first);                // its outputs
     for (int i = 0; i < nt; ++i) {
       const WorkTile nx = wt.next(tiles);
       float* const nx_head = nx.t == 0 ? head + head_elems : head;
+      T* const nx_o = nx.t == 0 ? o + p.V : o;
       if (i > 0) load_tile<K, ROWS>(head, wt.t, p.V, s, row);
       if (i + 1 < nt) prefetch_tile<K, ROWS>(nx_head, nx.t, p.V);
       if constexpr (PENDING) {
@@ -445,9 +449,10 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
           store_tile<K, ROWS>(head, s, row);
         }
       }
-      run_rows<T, K, ROWS>(p, sm, s, row, n, h * p.G + wt.hi, i, 0, p.R);
+      run_rows<T, K, ROWS>(p, sm, s, row, o, i, p.R);
       wt = nx;
       head = nx_head;
+      o = nx_o;
     }
   } else {
     if constexpr (PENDING) {
@@ -464,7 +469,8 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
           store_tile<K, ROWS>(head_of(slot, first), s, row);
         }
       }
-      run_rows<T, K, ROWS>(p, sm, s, row, n, h * p.G + first.hi, 0, c0, rc);
+      T* o = static_cast<T*>(p.o) + ((int64_t(n) * p.R + c0) * p.HV + h * p.G + first.hi) * p.V;
+      run_rows<T, K, ROWS>(p, sm, s, row, o, 0, rc);
     }
   }
 }
@@ -473,7 +479,11 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
 // (116 registers at 2 rows per thread, no spills); 5, best while decode staged its inputs in
 // shared memory (session 5), now spills 36 bytes and lost 2-8% at every batch (session 7).
 // Verify, with R rows of inputs in flight, is best left to ptxas (a cap of 4 or 5 blocks cost
-// 0-12% at K=128, spills at K=32).
+// 0-12% at K=128, spills at K=32). The multi-tile verify with pending rows is the exception: left
+// to ptxas it got 96 registers once the output pointer was walked per tile (session 12), so 5
+// blocks per SM, and ran 7-11% slower at B=8 and B=64 (4% faster at B=256); bounded to 4 blocks
+// per SM, ptxas gives it 122 (K=128, 2 rows per thread): 0-4% faster than before (RESULTS.md).
+// Only 2 rows per thread is bounded (what runs at these shapes; 4 would spill under the bound).
 template <typename T, int K, int ROWS, bool MULTI>
 __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, 4) decode_kernel(const RecurrentParams p) {
   decode_block<T, K, ROWS, MULTI>(p);
@@ -481,6 +491,11 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, 4) decode_kernel(const Rec
 template <typename T, int K, int ROWS, bool MULTI, bool PENDING>
 __global__ void __launch_bounds__(kThreads) verify_kernel(const RecurrentParams p) {
   verify_block<T, K, ROWS, MULTI, PENDING>(p);
+}
+template <typename T, int K, int ROWS>
+__global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, 4) verify_pending_kernel(
+    const RecurrentParams p) {
+  verify_block<T, K, ROWS, true, true>(p);
 }
 
 // The one-tile verify kernel with one row per thread needs 71 registers at K=128, so 7 of its
@@ -508,8 +523,12 @@ inline ds_error_t launch_verify(RecurrentParams p, int tiles, ds_stream_t stream
   constexpr int cap = Staged<K, ROWS, true, PENDING>::kTiles;
   p.tiles_per_block = pick_tiles_per_block(int64_t(p.N) * p.H, per_head, cap, cap, p.R);
   const dim3 grid(static_cast<unsigned>(ceil_div(per_head, p.tiles_per_block)), p.H, p.N);
-  if (p.tiles_per_block > 1)
-    return launch(verify_kernel<T, K, ROWS, true, PENDING>, grid, kThreads, stream, Pdl::kOn, p);
+  if (p.tiles_per_block > 1) {
+    if constexpr (PENDING && ROWS == 2)
+      return launch(verify_pending_kernel<T, K, ROWS>, grid, kThreads, stream, Pdl::kOn, p);
+    else
+      return launch(verify_kernel<T, K, ROWS, true, PENDING>, grid, kThreads, stream, Pdl::kOn, p);
+  }
   const auto kernel = verify_kernel<T, K, ROWS, false, PENDING>;
   const size_t pad =
       one_wave_pad(reinterpret_cast<const void*>(kernel), int64_t(grid.x) * p.H * p.N);
@@ -545,6 +564,7 @@ inline ds_error_t launch_recurrent(const RecurrentParams& p, ds_stream_t stream)
   if (p.H <= 0 || p.HV % p.H != 0) return DS_ERROR_INVALID_VALUE;
   if (p.N <= 0 || p.V <= 0 || p.HV <= 0) return DS_SUCCESS;  // nothing to compute
   if (VERIFY && (p.N > 65535 || p.H > 65535)) return DS_ERROR_INVALID_VALUE;  // grid y/z
+  if (int64_t(p.HV) * p.V > 0x7fffffffLL) return DS_ERROR_INVALID_VALUE;  // run_rows' int stride
   switch (pick_rows<K>(int64_t(p.HV) * p.N, p.V)) {
     case 4: return launch_rows<T, K, 4, VERIFY>(p, stream);
     case 2: return launch_rows<T, K, 2, VERIFY>(p, stream);
