@@ -10,7 +10,8 @@ Here:
     python benchmarks/ncu_gdn.py summary v64.csv
 The summary groups instructions by how often they ran: in gdn_verify at B=64 one count is the
 row loop (once per warp per tile per row), others the per-tile and per-block work, which is
-how session 9 found the integer divisions (RESULTS.md).
+how session 9 found the integer divisions (RESULTS.md); with each group its main stall reasons
+(how session 12 found the per-block staging's share).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def summary(path: str) -> None:
     ix = {h: i for i, h in enumerate(rows[header])}
     body = [r for r in rows[header + 1:] if len(r) == len(rows[header])]
     count = lambda r, col: int(r[ix[col]] or 0)  # noqa: E731
+    reasons = [c for c in rows[header] if c.startswith("stall_") and "Not Issued" not in c]
     total = sum(count(r, "Instructions Executed") for r in body)
     samples = sum(count(r, "# Samples") for r in body) or 1
     groups: dict[int, list] = collections.defaultdict(list)
@@ -80,6 +82,11 @@ def summary(path: str) -> None:
         samp = 100 * sum(count(r, "# Samples") for r in g) / samples
         top = ", ".join(f"{o} {c}" for o, c in ops.most_common(6))
         print(f"{runs:>10,} {len(g):>7} {share:>7.1f}% {samp:>9.1f}%  {top}")
+        if reasons:  # the page has per-reason columns (ncu 2023+ with SourceCounters)
+            why = collections.Counter({c: sum(count(r, c) for r in g) for c in reasons})
+            n = sum(why.values()) or 1
+            print(" " * 40 + "stalls: " + ", ".join(
+                f"{c.removeprefix('stall_')} {100 * v / n:.0f}%" for c, v in why.most_common(4)))
 
 
 if __name__ == "__main__":
