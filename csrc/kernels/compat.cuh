@@ -125,15 +125,32 @@ template <> DS_DEVICE f16 from_float<f16>(float x) {
 }
 
 // Load/store N consecutive elements (N * sizeof(T) a multiple of 8 bytes, pointer aligned).
+// load_vec = load_words then words_to_float; the halves let a caller issue other loads before
+// it converts (which waits for the data).
 template <typename T, int N>
-DS_DEVICE void load_vec(const T* __restrict__ p, float (&out)[N]) {
+struct Words {
   static_assert((N * sizeof(T)) % 8 == 0, "vector loads move whole 8-byte words");
-  constexpr int kWords = N * sizeof(T) / 8;
-  union { uint2 w[kWords]; T e[N]; } u;
+  static constexpr int kWords = N * sizeof(T) / 8;
+  uint2 w[kWords];
+};
+template <typename T, int N>
+DS_DEVICE Words<T, N> load_words(const T* __restrict__ p) {
+  Words<T, N> u;
 #pragma unroll
-  for (int i = 0; i < kWords; ++i) u.w[i] = reinterpret_cast<const uint2*>(p)[i];
+  for (int i = 0; i < Words<T, N>::kWords; ++i) u.w[i] = reinterpret_cast<const uint2*>(p)[i];
+  return u;
+}
+template <typename T, int N>
+DS_DEVICE void words_to_float(const Words<T, N>& words, float (&out)[N]) {
+  union { uint2 w[Words<T, N>::kWords]; T e[N]; } u;
+#pragma unroll
+  for (int i = 0; i < Words<T, N>::kWords; ++i) u.w[i] = words.w[i];
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = to_float(u.e[i]);
+}
+template <typename T, int N>
+DS_DEVICE void load_vec(const T* __restrict__ p, float (&out)[N]) {
+  words_to_float<T, N>(load_words<T, N>(p), out);
 }
 
 template <typename T, int N>

@@ -148,20 +148,39 @@ DS_DEVICE float dot(const float (&x)[kPerLane], const float (&y)[kPerLane]) {
 
 // This lane's slices of a row's q and k (one key head, K elements of T each), in the state's
 // row layout: every group of the block holds whole vectors, so it can normalise them itself.
+// load_qk = load_qk_words then qk_to_float (verify's staging issues its other loads between).
+template <typename T>
+struct QKWords {
+  Words<T, 4> q[4], k[4];
+};
 template <int K, typename T>
-DS_DEVICE void load_qk(const T* __restrict__ q, const T* __restrict__ k, int lane,
-                       float (&qs)[kPerLane], float (&ks)[kPerLane]) {
+DS_DEVICE QKWords<T> load_qk_words(const T* __restrict__ q, const T* __restrict__ k, int lane) {
+  QKWords<T> w;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    w.q[j] = load_words<T, 4>(q + Layout<K>::piece(lane, j));
+    w.k[j] = load_words<T, 4>(k + Layout<K>::piece(lane, j));
+  }
+  return w;
+}
+template <typename T>
+DS_DEVICE void qk_to_float(const QKWords<T>& w, float (&qs)[kPerLane], float (&ks)[kPerLane]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     float x[4], y[4];
-    load_vec<T, 4>(q + Layout<K>::piece(lane, j), x);
-    load_vec<T, 4>(k + Layout<K>::piece(lane, j), y);
+    words_to_float<T, 4>(w.q[j], x);
+    words_to_float<T, 4>(w.k[j], y);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       qs[j * 4 + e] = x[e];
       ks[j * 4 + e] = y[e];
     }
   }
+}
+template <int K, typename T>
+DS_DEVICE void load_qk(const T* __restrict__ q, const T* __restrict__ k, int lane,
+                       float (&qs)[kPerLane], float (&ks)[kPerLane]) {
+  qk_to_float(load_qk_words<K, T>(q, k, lane), qs, ks);
 }
 
 // q <- q * (rsqrt(sum(q^2) + eps) * scale), k <- k * rsqrt(sum(k^2) + eps) on the slices

@@ -81,12 +81,11 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
 
   // Every thread takes part in normalize_qk (zeros past rc): its butterflies are full-warp
   // shuffles, and rc groups may end inside a warp (a partial warp deadlocked in them).
-  float xq[kPerLane] = {}, xk[kPerLane] = {};
-  if (r_qk < rc) {
-    const T* q = static_cast<const T*>(p.q) + n * p.q_stride_n + (c0 + r_qk) * p.q_stride_r;
-    const T* k = static_cast<const T*>(p.k) + n * p.k_stride_n + (c0 + r_qk) * p.k_stride_r;
-    load_qk<K, T>(q + h * K, k + h * K, lane, xq, xk);
-  }
+  // Rows past rc load row c0's q and k (every load here is unpredicated: see v below).
+  const int r_load = c0 + (r_qk < rc ? r_qk : 0);
+  const QKWords<T> qk_words = load_qk_words<K, T>(
+      static_cast<const T*>(p.q) + n * p.q_stride_n + r_load * p.q_stride_r + h * K,
+      static_cast<const T*>(p.k) + n * p.k_stride_n + r_load * p.k_stride_r + h * K, lane);
   // v: a thread's slot u holds staged row r0 + slot_row(u), span column slot_col(u) (tile slot
   // c / BR, tile row c % BR), all loads of a pass issued before its stores. A small span (one
   // verify tile) is covered in one pass, rows and columns spread over all threads; a wide one
@@ -100,39 +99,46 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
     return kSmall ? (rt + u * kThreads) % VROWS : rt + (u % kCols) * kThreads;
   };
   const int span = nt * BR;
-  int v_hv[kSlots], v_row[kSlots];  // v_row -1: past the span or past V (nothing loaded)
+  const int hvv = p.HV * p.V;       // one v row (HV * V < 2^31: the launch checks)
+  int v_off[kSlots];                // v_hv * V + v_row within a row; -1: past the span or V
 #pragma unroll
   for (int u = 0; u < kSlots; ++u) {
     const int c = slot_col(u);
     const WorkTile wt = WorkTile::of(p.tiles, w0 + c / BR);
-    v_hv[u] = h * G + wt.hi;
-    v_row[u] = wt.t * BR + c % BR;
-    if (c >= span || v_row[u] >= p.V) v_row[u] = -1;
+    const int vr = wt.t * BR + c % BR;
+    v_off[u] = c < span && vr < p.V ? (h * G + wt.hi) * p.V + vr : -1;
   }
-  const auto load_v = [&](int r0, float (&v)[kSlots]) {
+  // Every load of the staging is unpredicated (an empty slot or idle gate thread reads an
+  // element that exists) and nothing loaded is converted before normalize_qk: predicated, or
+  // converted where loaded, ptxas scheduled each load next to its use, and a verify block at
+  // B=64 waited on about five global round trips in turn (ncu, session 12).
+  const T* const v_req = static_cast<const T*>(p.v) + n * p.v_stride_n + c0 * p.v_stride_r;
+  const auto load_v = [&](int r0, T (&raw)[kSlots]) {
 #pragma unroll
     for (int u = 0; u < kSlots; ++u) {
       const int r = r0 + slot_row(u);
-      const T* vp = static_cast<const T*>(p.v) + n * p.v_stride_n + (c0 + r) * p.v_stride_r;
-      v[u] = r < rc && v_row[u] >= 0 ? to_float(vp[int64_t(v_hv[u]) * p.V + v_row[u]]) : 0.f;
+      raw[u] = r < rc && v_off[u] >= 0 ? v_req[r * p.v_stride_r + v_off[u]] : v_req[0];
     }
   };
-  float v[kSlots];
+  T v[kSlots];
   load_v(0, v);
   // Gates: one (row, tile slot) pair e = i * CH + r per thread (rows past rc idle: no division
   // by the run-time nt). A value head's gates are computed by each of its tiles in the span,
   // from the same inputs by the same function, so the bits agree.
   const int ng = CH * nt;
-  float ga = 0.f, gb = 0.f, a_log = 0.f, dt_bias = 0.f;
-  const auto load_gate = [&](int e) {
+  T ga{}, gb{};
+  float a_log = 0.f, dt_bias = 0.f;
+  const auto load_gate = [&](int e) {  // e < ng with e % CH < rc, or 0 (row 0 of tile slot 0)
     const int r = e % CH, hv = h * G + p.tiles.div(w0 + e / CH);
     a_log = p.A_log[hv];
     dt_bias = p.dt_bias[hv];
-    ga = to_float(static_cast<const T*>(p.a)[n * p.a_stride_n + (c0 + r) * p.a_stride_r + hv]);
-    gb = to_float(static_cast<const T*>(p.b)[n * p.b_stride_n + (c0 + r) * p.b_stride_r + hv]);
+    ga = static_cast<const T*>(p.a)[n * p.a_stride_n + (c0 + r) * p.a_stride_r + hv];
+    gb = static_cast<const T*>(p.b)[n * p.b_stride_n + (c0 + r) * p.b_stride_r + hv];
   };
-  if (rt < ng && rt % CH < rc) load_gate(rt);
+  load_gate(rt < ng && rt % CH < rc ? rt : 0);
 
+  float xq[kPerLane] = {}, xk[kPerLane] = {};
+  if (r_qk < rc) qk_to_float(qk_words, xq, xk);
   const float kq = normalize_qk<K>(xq, xk, p.scale);
   if (r_qk < rc) {
     store_slice<K>(sm.q[r_qk], lane, xq);
@@ -146,9 +152,10 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
 #pragma unroll
     for (int u = 0; u < kSlots; ++u) {
       const int r = r0 + slot_row(u), c = slot_col(u);
-      if (r < rc && c < span) sm.v[r][c] = v[u];  // zero past V: computes, never stored
-      if (r < rc && v_row[u] >= 0)
-        p.stash_v[((int64_t(n) * p.R_max + c0 + r) * p.HV + v_hv[u]) * p.V + v_row[u]] = v[u];
+      const float x = r < rc && v_off[u] >= 0 ? to_float(v[u]) : 0.f;
+      if (r < rc && c < span) sm.v[r][c] = x;  // zero past V: computes, never stored
+      if (r < rc && v_off[u] >= 0)
+        p.stash_v[(int64_t(n) * p.R_max + c0 + r) * hvv + v_off[u]] = x;
     }
   }
   for (int e = rt; e < ng; e += kThreads) {
@@ -157,8 +164,8 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
     const int hv = h * G + wt.hi;
     if (r >= rc) continue;
     if (e > rt) load_gate(e);
-    const float g = gate_g(ga, a_log, dt_bias);
-    const float beta = gate_beta(gb);
+    const float g = gate_g(to_float(ga), a_log, dt_bias);
+    const float beta = gate_beta(to_float(gb));
     sm.decay[r][i] = gate_decay(g);
     sm.beta[r][i] = beta;
     if (wt.t == 0) {  // once per value head: each of its tiles computes the same gates
