@@ -320,6 +320,13 @@ def test_models_and_health(client, served):
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == [served.model]
+    one = client.get(f"/v1/models/{served.model}")
+    assert one.status_code == 200 and one.json() == {**models["data"][0],
+                                                     "created": one.json()["created"]}
+    missing = client.get("/v1/models/org/not-this-model")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
+    assert "org/not-this-model" in missing.json()["error"]["message"]
     assert client.get("/health").json() == {"status": "ok"}
     head = client.head("/health")  # load balancers and probes often send HEAD
     assert head.status_code == 200 and head.content == b""

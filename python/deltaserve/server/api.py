@@ -180,10 +180,21 @@ def build_app(engine: AsyncEngine) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
 
+    def card() -> ModelCard:
+        return ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=engine.model_name,
-                                         max_model_len=engine.max_model_len)])
+        return ModelList(data=[card()])
+
+    # OpenAI's "retrieve model"; ids may hold slashes (Qwen/Qwen3-Next-80B-A3B-Instruct)
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        if model != engine.model_name:
+            raise InvalidRequest(f"The model `{model}` does not exist; this server serves "
+                                 f"`{engine.model_name}`", "model", status=404,
+                                 code="model_not_found")
+        return card()
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
