@@ -5,7 +5,9 @@
 # (build/ab/ref first, so ratios are to it). Logs and JSON go to $OUT. Carry ".whl" and
 # "build/ab". Session 10 ran this sequence by hand four times.
 #   AB_ARGS="--batches 1,8,64,256 --rounds 2 --conv" TESTS=1 bash benchmarks/device_ab.sh
-#   (AB_CONFIGS: extra LABEL=PYTHON_DIR[,NAME=VALUE...] configurations, space-separated)
+#   (AB_CONFIGS: extra LABEL=PYTHON_DIR[,NAME=VALUE...] configurations, space-separated;
+#   TESTS_ARGS: what pytest -m gpu runs, default "tests/ops tests/model" (~70 s); e.g.
+#   "tests/ops/test_gdn_gpu.py -k verify" took 2 s in session 12's last call)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 shopt -s nullglob
@@ -22,8 +24,9 @@ python3 setup.py build_ext --inplace -j "$jobs" > "$OUT/build.log" 2>&1 \
 wait
 echo "built in ${SECONDS}s: working tree ${trees[*]}"
 if [ "${TESTS:-1}" = 1 ]; then
+  # shellcheck disable=SC2086  # TESTS_ARGS is a list of pytest arguments
   timeout -s KILL "${TESTS_TIMEOUT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-    tests/ops tests/model > "$OUT/gpu_ops.log" 2>&1
+    ${TESTS_ARGS:-tests/ops tests/model} > "$OUT/gpu_ops.log" 2>&1
   echo "gpu tests (exit $?): $(grep -E "passed|failed|error" "$OUT/gpu_ops.log" | tail -1)"
 fi
 configs=()
