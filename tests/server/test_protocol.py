@@ -91,6 +91,7 @@ def test_chat_messages_become_template_messages():
     ({"role": "user"}, "user message needs content"),
     ({"role": "system", "content": None}, "system message needs content"),
     ({"role": "user", "content": [{"type": "text"}]}, "needs a 'text' string"),
+    ({"role": "user", "content": []}, "user message needs content"),
 ])
 def test_a_message_without_text_is_refused_with_what_is_missing(message, says):
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}, message])
@@ -101,8 +102,19 @@ def test_a_message_without_text_is_refused_with_what_is_missing(message, says):
 
 def test_an_assistant_message_may_leave_content_out():
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"},
-                                           {"role": "assistant", "content": None}])
-    assert body.template_messages()[1] == {"role": "assistant", "content": ""}
+                                           {"role": "assistant", "content": None},
+                                           {"role": "assistant", "content": []}])
+    assert body.template_messages()[1:] == [{"role": "assistant", "content": ""}] * 2
+
+
+def test_stream_options_without_stream_is_refused_as_in_openai():
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}],
+                                 stream_options={"include_usage": True})
+    with pytest.raises(InvalidRequest) as e:
+        body.check_supported()
+    assert e.value.param == "stream_options" and "stream is true" in e.value.message
+    ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], stream=True,
+                          stream_options={"include_usage": True}).check_supported()
 
 
 def test_usage_reports_cached_tokens_in_the_openai_field():

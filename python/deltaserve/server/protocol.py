@@ -94,6 +94,9 @@ class _GenerationRequest(BaseModel):
                                  "choice per request (n must be 1)", "n")
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported by deltaserve", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true",
+                                 "stream_options")
 
     def stop_list(self) -> list[str]:
         """`stop` as a list (OpenAI takes one string or a list)."""
@@ -168,10 +171,10 @@ class ChatMessage(BaseModel):
 
     def text(self, index: int) -> str:
         """The message's text. Raises InvalidRequest for non-text content parts, a text part
-        without text, and missing content on any role but assistant (OpenAI lets only an
-        assistant message leave content out)."""
+        without text, and missing content (null, absent or an empty list of parts) on any role
+        but assistant (OpenAI lets only an assistant message leave content out)."""
         param = f"messages.{index}.content"
-        if self.content is None:
+        if self.content is None or self.content == []:
             if self.role != "assistant":
                 raise InvalidRequest(f"a {self.role} message needs content", param)
             return ""
