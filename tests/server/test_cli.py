@@ -57,7 +57,8 @@ def test_a_port_outside_0_to_65535_is_a_usage_error_before_the_model_loads(port,
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["serve", "--port", port])
     assert e.value.code == 2
-    assert "--port" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--port" in err and f"port must be an integer in 0..65535, got '{port}'" in err
 
 
 def test_serve_on_a_port_in_use_fails_before_loading_the_model_naming_it(capsys, monkeypatch):
