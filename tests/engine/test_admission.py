@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
 from drained import assert_drained
@@ -47,3 +49,39 @@ def test_max_request_len_is_what_the_page_pool_can_hold_when_it_is_below_the_con
     (out,) = small.generate([list(range(3, 13))], params)  # exactly fills the pool
     assert len(out.token_ids) == 294
     assert_drained(small.engine)
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "ngram",
+                                        "speculative_num_steps": 3}])
+def test_a_request_too_long_for_the_pool_is_refused_naming_the_verify_rows_it_needs(tmp_path, spec):
+    """7 usable pages of 16 tokens hold 112 positions; a speculative request also needs its k
+    verify rows past max_tokens, and the error has to add up to the pages it names."""
+    path = str(make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0))
+    engine = LLM(path, device="cpu", dtype="float32", num_pages=8, page_size=16, **spec).engine
+    rows = spec.get("speculative_num_steps", 0)
+    fits = SamplingParams(temperature=0.0, max_tokens=112 - 1 - rows, ignore_eos=True)
+    assert engine.abort(engine.add_request([5], fits))
+    over = SamplingParams(temperature=0.0, max_tokens=112 - rows, ignore_eos=True)
+    with pytest.raises(ValueError) as e:
+        engine.add_request([5], over)
+    says = str(e.value)
+    assert "needs 8 KV pages of 16 tokens" in says and "the pool has 7" in says
+    assert (f"+ {rows} speculative verify rows" in says) == bool(rows)
+
+
+def test_cache_status_reports_the_pages_running_requests_are_promised_but_do_not_hold(tmp_path):
+    """Admission reserves a request's prompt + max_tokens up front; pages_free alone then does
+    not say why requests wait (found by a fresh-user run)."""
+    path = str(make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0))
+    engine = LLM(path, device="cpu", dtype="float32", page_size=16, num_pages=64).engine
+    rid = engine.add_request(list(range(3, 23)), SamplingParams(temperature=0.0, max_tokens=100,
+                                                                ignore_eos=True))
+    assert engine.cache_status()["pages_reserved"] == 0  # waiting: nothing promised yet
+    engine.step()  # admitted: the 20-token prompt's 2 pages taken, 120 tokens' 8 promised
+    status = engine.cache_status()
+    assert status["running_requests"] == 1
+    assert status["pages_reserved"] == 8 - (status["pages_total"] - status["pages_free"])
+    assert status["pages_reserved"] > 0
+    assert engine.abort(rid)
+    assert engine.cache_status()["pages_reserved"] == 0
+    assert_drained(engine)

@@ -326,6 +326,7 @@ class LLMEngine:
             "pages_total": pool.num_pages - 1,
             "pages_free": pool.num_free,
             "pages_cached": stats.n_pages,
+            "pages_reserved": self.scheduler.reserved_pages(),  # promised to running requests
             "slots_total": sp.num_slots - 1,
             "slots_free": sp.num_free,
             "slots_snapshot": stats.n_snapshots,

@@ -73,10 +73,11 @@ class Scheduler:
         """Raise ValueError when `req` could never be admitted, even with an empty cache."""
         usable = self.page_pool.num_pages - 1
         if self.pages_needed(req) > usable:
+            rows = (f" + {self.extra_rows} speculative verify rows" if self.extra_rows else "")
             raise ValueError(
                 f"request needs {self.pages_needed(req)} KV pages of {self.page_size} tokens "
-                f"(prompt {req.prompt_len} + max_tokens {req.params.max_tokens}) but the pool "
-                f"has {usable}; lower max_tokens or raise --num-pages / --kv-memory-gb")
+                f"(prompt {req.prompt_len} + max_tokens {req.params.max_tokens}{rows}) but the "
+                f"pool has {usable}; lower max_tokens or raise --num-pages / --kv-memory-gb")
 
     def reserved_pages(self) -> int:
         return sum(max(0, self.pages_needed(r) - len(r.page_table)) for r in self.running)
