@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0,
                      help="sampling temperature; 0: greedy (default 0)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, (0, 1]")
-    gen.add_argument("--top-k", type=int, default=-1, help="top-k sampling; -1: off")
+    gen.add_argument("--top-k", type=int, default=-1,
+                     help="top-k sampling; -1 or 0: off (as in vLLM)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true",
                      help="wrap each prompt as a user message in the chat template")
