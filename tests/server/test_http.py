@@ -311,7 +311,7 @@ def test_metrics_parse_as_prometheus_text_with_request_and_cache_series(client):
     for name in ["deltaserve_requests_total", "deltaserve_prompt_tokens_total",
                  "deltaserve_generation_tokens_total", "deltaserve_cached_prompt_tokens_total",
                  "deltaserve_requests_running", "deltaserve_requests_waiting",
-                 "deltaserve_pages_used", "deltaserve_slots_used"]:
+                 "deltaserve_pages_used", "deltaserve_pages_reserved", "deltaserve_slots_used"]:
         assert name in samples, name
     assert samples["deltaserve_generation_tokens_total"].value >= 2
 

@@ -18,6 +18,8 @@ _CACHE_GAUGES = {
     "pages_used": ("KV pages not free (running requests and prefix cache)",
                    lambda s: s.get("pages_total", 0) - s.get("pages_free", 0)),
     "pages_cached": ("KV pages held by the prefix cache", lambda s: s.get("pages_cached", 0)),
+    "pages_reserved": ("KV pages promised to running requests and not yet taken",
+                       lambda s: s.get("pages_reserved", 0)),
     "slots_total": ("GDN state slots in the state pool", lambda s: s.get("slots_total", 0)),
     "slots_used": ("GDN state slots not free (live, tracking and snapshots)",
                    lambda s: s.get("slots_total", 0) - s.get("slots_free", 0)),
