@@ -143,3 +143,19 @@ def test_an_unset_max_tokens_is_capped_by_the_kv_pool_as_well_as_the_context():
     assert roomy.sampling_params(chat_body, [1] * 20, "messages", None).max_tokens == 492
     explicit = chat(max_tokens=400)  # explicit: kept; the engine names the pool if too big
     assert serving.sampling_params(explicit, [1] * 20, "messages", None).max_tokens == 400
+
+
+
+@pytest.mark.parametrize("field,value", [("min_tokens", 5), ("use_beam_search", True),
+                                         ("include_stop_str_in_output", True),
+                                         ("allowed_token_ids", [1, 2]),
+                                         ("guided_json", {"type": "object"})])
+def test_vllm_extensions_that_would_change_the_output_are_refused_not_ignored(field, value):
+    with pytest.raises(InvalidRequest) as e:
+        CompletionRequest(prompt="Hi", **{field: value}).check_supported()
+    assert e.value.param == field and "not supported" in e.value.message
+
+
+def test_vllm_extensions_left_at_their_defaults_and_unknown_fields_are_accepted():
+    CompletionRequest(prompt="Hi", min_tokens=0, use_beam_search=False, guided_json=None,
+                      allowed_token_ids=[], unknown_field=1).check_supported()

@@ -2,8 +2,9 @@
 
 Requests accept the OpenAI fields plus the vLLM sampling extensions (top_k, min_p,
 repetition_penalty, stop_token_ids, ignore_eos). Fields the engine cannot honour (n > 1,
-logprobs, echo, best_of, suffix, tools, non-text content) are rejected with `InvalidRequest`,
-never silently ignored. Unknown extra fields are ignored, as the OpenAI API does.
+logprobs, echo, best_of, suffix, tools, non-text content, and vLLM's other extensions that
+would change the output: `VLLM_UNSUPPORTED`) are rejected with `InvalidRequest`, never
+silently ignored. Other unknown fields are ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -57,12 +58,19 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+# vLLM request extensions deltaserve does not implement; set to anything but their default
+# (null, false, 0, empty) they would change the output, so they are a 400, not ignored.
+VLLM_UNSUPPORTED = ("min_tokens", "use_beam_search", "include_stop_str_in_output",
+                    "allowed_token_ids", "bad_words", "prompt_logprobs", "truncate_prompt_tokens",
+                    "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class _GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions. None means "the default". Numbers
     are strict: a JSON string ("3") or boolean (true) where a number belongs is a 400, as in
     OpenAI's API, never silently 3 or 1; an integer is accepted where a float belongs."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # extras land in model_extra, checked below
 
     model: str | None = None
     max_tokens: StrictInt | None = None
@@ -94,6 +102,9 @@ class _GenerationRequest(BaseModel):
                                  "choice per request (n must be 1)", "n")
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported by deltaserve", "logit_bias")
+        for name in VLLM_UNSUPPORTED:
+            if (self.model_extra or {}).get(name) not in (None, False, 0, "", [], {}):
+                raise InvalidRequest(f"{name} is not supported by deltaserve", name)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true",
                                  "stream_options")
