@@ -412,9 +412,9 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
   const auto head_of = [&](int64_t slot, WorkTile wt) {
     return p.state + (slot * p.HV + h * p.G + wt.hi) * head_elems;
   };
-  // Row 0's output of value head h * G + wt.hi: [V] of T, the next row HV * V further.
-  const auto out_of = [&](WorkTile wt) {
-    return static_cast<T*>(p.o) + (int64_t(n) * p.R * p.HV + h * p.G + wt.hi) * p.V;
+  // Row c0's output of value head h * G + wt.hi: [V] of T, the next row HV * V further.
+  const auto out_of = [&](WorkTile wt, int c0) {
+    return static_cast<T*>(p.o) + ((int64_t(n) * p.R + c0) * p.HV + h * p.G + wt.hi) * p.V;
   };
   const WorkTile first = WorkTile::of(p.tiles, w0);
 
@@ -443,7 +443,7 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
     __syncthreads();
     WorkTile wt = first;
     float* head = head_of(slot, first);  // the state of value head h * G + wt.hi
-    T* o = out_of(first);                // its outputs
+    T* o = out_of(first, 0);             // its outputs
     for (int i = 0; i < nt; ++i) {
       const WorkTile nx = wt.next(tiles);
       float* const nx_head = nx.t == 0 ? head + head_elems : head;
@@ -476,8 +476,7 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
           store_tile<K, ROWS>(head_of(slot, first), s, row);
         }
       }
-      T* o = static_cast<T*>(p.o) + ((int64_t(n) * p.R + c0) * p.HV + h * p.G + first.hi) * p.V;
-      run_rows<T, K, ROWS>(p, sm, s, row, o, 0, rc);
+      run_rows<T, K, ROWS>(p, sm, s, row, out_of(first, c0), 0, rc);
     }
   }
 }
