@@ -327,6 +327,7 @@ def test_models_and_health(client, served):
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"
     assert "org/not-this-model" in missing.json()["error"]["message"]
+    assert client.get("/v1/models/").status_code == 404  # names no model
     assert client.get("/health").json() == {"status": "ok"}
     head = client.head("/health")  # load balancers and probes often send HEAD
     assert head.status_code == 200 and head.content == b""

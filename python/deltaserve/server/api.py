@@ -190,10 +190,7 @@ def build_app(engine: AsyncEngine) -> FastAPI:
     # OpenAI's "retrieve model"; ids may hold slashes (Qwen/Qwen3-Next-80B-A3B-Instruct)
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> ModelCard:
-        if model != engine.model_name:
-            raise InvalidRequest(f"The model `{model}` does not exist; this server serves "
-                                 f"`{engine.model_name}`", "model", status=404,
-                                 code="model_not_found")
+        serving.check_model(model, default_ok=False)  # GET /v1/models/ names no model
         return card()
 
     @app.api_route("/health", methods=["GET", "HEAD"])

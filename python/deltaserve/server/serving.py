@@ -63,9 +63,11 @@ class OpenAIServing:
 
     # -- preparation -------------------------------------------------------------------------
 
-    def _check_model(self, body: _GenerationRequest) -> None:
-        if body.model and body.model != self.engine.model_name:
-            raise InvalidRequest(f"The model `{body.model}` does not exist; this server serves "
+    def check_model(self, model: str | None, *, default_ok: bool = True) -> None:
+        """Raise InvalidRequest (404, model_not_found) unless `model` is the served model's id,
+        or None / empty where `default_ok` (a request body may leave its model out)."""
+        if (model or not default_ok) and model != self.engine.model_name:
+            raise InvalidRequest(f"The model `{model}` does not exist; this server serves "
                                  f"`{self.engine.model_name}`", "model", status=404,
                                  code="model_not_found")
 
@@ -184,7 +186,7 @@ class OpenAIServing:
         collected text turned into a response by `respond(rid, text, last)`. Raises
         InvalidRequest (400/404) before anything runs, ClientGone when the client leaves."""
         body.check_supported()
-        self._check_model(body)
+        self.check_model(body.model)
         for stop in body.stop_list():
             self._check_encodable(stop, "stop")
         rid = new_id(id_prefix)
