@@ -70,10 +70,10 @@ ENGINE_STOP_S = SHUTDOWN_GRACE_S - 1  # then requests still running end with an 
 
 def _port(text: str) -> int:
     try:
-        port = int(text)
+        port: int | None = int(text)
     except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
+        port = None
+    if port is None or not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be an integer in 0..65535, got {text!r}")
     return port
 
