@@ -102,8 +102,9 @@ class _GenerationRequest(BaseModel):
                                  "choice per request (n must be 1)", "n")
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported by deltaserve", "logit_bias")
+        extra = self.model_extra or {}
         for name in VLLM_UNSUPPORTED:
-            if (self.model_extra or {}).get(name) not in (None, False, 0, "", [], {}):
+            if extra.get(name) not in (None, False, 0, "", [], {}):
                 raise InvalidRequest(f"{name} is not supported by deltaserve", name)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true",
