@@ -24,7 +24,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deltaserve.default_model.config import default_text_config
-from deltaserve.default_model.mtp import MTPHead
 
 FILES_DIR = Path(__file__).resolve().parent / "files"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -85,7 +84,11 @@ def _random_state(module: torch.nn.Module, gen: torch.Generator, prefix: str = "
 
 def write_random_model(folder: str | os.PathLike) -> None:
     """Write the random default model (config, safetensors with mtp.*, tokenizer) to `folder`."""
+    # deferred: transformers' Qwen3.5 modelling takes ~4.5 s to import (and fla-core with it,
+    # which warns on a machine without Triton), and serving the shipped model never needs it
     from transformers import Qwen3_5ForCausalLM
+
+    from deltaserve.default_model.mtp import MTPHead
 
     config = default_text_config()
     gen = torch.Generator().manual_seed(SEED)

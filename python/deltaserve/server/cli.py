@@ -14,7 +14,6 @@ import logging
 import socket
 import sys
 import threading
-import warnings
 from collections.abc import Sequence
 
 from deltaserve.config import EngineConfig
@@ -269,9 +268,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # fla-core (imported by transformers' Qwen3.5 code) warns on every run of a machine
-    # without Triton; deltaserve never runs fla there (CPU prefill is the torch reference).
-    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
