@@ -1,4 +1,5 @@
-// One portability layer for the device code: CUDA (nvcc) and HIP (clang, gfx1151 wave32).
+// One portability layer for the device code: CUDA (nvcc), HIP (clang, gfx1151 wave32) and the
+// CPU emulation used by the tests (-DDS_EMU, a host compiler: csrc/emu/runtime.h).
 // Shuffles, rounding-explicit float math, 16-bit float conversions, launch and error helpers.
 // Device code elsewhere uses only what is defined here, never a vendor API directly.
 #pragma once
@@ -10,8 +11,18 @@
 #include <mutex>
 #include <utility>
 
-#if defined(__HIP__) || defined(__HIPCC__)
+#if defined(DS_EMU) && DS_EMU
+#include "../emu/runtime.h"
+#define DS_HIP 0
+using ds_stream_t = void*;
+using ds_error_t = int;
+#define DS_SUCCESS 0
+#define DS_ERROR_INVALID_VALUE 1
+inline ds_error_t ds_get_last_error() { return DS_SUCCESS; }
+inline ds_error_t ds_get_device(int* dev) { *dev = 0; return DS_SUCCESS; }
+#elif defined(__HIP__) || defined(__HIPCC__)
 #include <hip/hip_runtime.h>
+#define DS_EMU 0
 #define DS_HIP 1
 using ds_stream_t = hipStream_t;
 using ds_error_t = hipError_t;
@@ -22,6 +33,7 @@ using ds_error_t = hipError_t;
 #else
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
+#define DS_EMU 0
 #define DS_HIP 0
 using ds_stream_t = cudaStream_t;
 using ds_error_t = cudaError_t;
@@ -30,10 +42,11 @@ using ds_error_t = cudaError_t;
 #define ds_get_last_error cudaGetLastError
 #define ds_get_device cudaGetDevice
 #endif
+#define DS_CUDA (!DS_HIP && !DS_EMU)  // the CUDA runtime's launch attributes and queries
 
 // Everything below is device code or kernel launches: only for nvcc / clang-HIP compiles.
 // Host-only files (csrc/ops/*.cpp) get the stream/error types above and nothing else.
-#if defined(__CUDACC__) || defined(__HIP__)
+#if defined(__CUDACC__) || defined(__HIP__) || DS_EMU
 
 #define DS_DEVICE __device__ __forceinline__
 // __launch_bounds__(threads, min blocks per SM) on CUDA. HIP reads a second argument as waves
@@ -51,8 +64,10 @@ namespace ds {
 constexpr int kWarp = 32;
 
 // ---- rounding-explicit arithmetic: the compiler may not contract or reorder these ----------
+#if DS_HIP || DS_EMU
 #if DS_HIP
-#pragma clang fp contract(off)
+#pragma clang fp contract(off)  // DS_EMU: -ffp-contract=off
+#endif
 DS_DEVICE float fmul(float a, float b) { return a * b; }
 DS_DEVICE float fadd(float a, float b) { return a + b; }
 DS_DEVICE float fsub(float a, float b) { return a - b; }
@@ -70,7 +85,9 @@ DS_DEVICE float fdiv(float a, float b) { return a / b; }
 
 // ---- shuffles ------------------------------------------------------------------------------
 DS_DEVICE float shfl_xor(float v, int mask) {
-#if DS_HIP
+#if DS_EMU
+  return ds_emu::shfl_xor(v, mask);
+#elif DS_HIP
   return __shfl_xor(v, mask, kWarp);
 #else
   return __shfl_xor_sync(0xffffffffu, v, mask, kWarp);
@@ -93,7 +110,7 @@ struct f16 { uint16_t bits; };
 DS_DEVICE float to_float(float x) { return x; }
 DS_DEVICE float to_float(bf16 x) { return __uint_as_float(uint32_t(x.bits) << 16); }
 DS_DEVICE float to_float(f16 x) {
-#if DS_HIP
+#if DS_HIP || DS_EMU
   return float(__builtin_bit_cast(_Float16, x.bits));
 #else
   return __half2float(__ushort_as_half(x.bits));
@@ -117,7 +134,7 @@ template <> DS_DEVICE bf16 from_float<bf16>(float x) {  // round to nearest even
 #endif
 }
 template <> DS_DEVICE f16 from_float<f16>(float x) {
-#if DS_HIP
+#if DS_HIP || DS_EMU
   return f16{__builtin_bit_cast(uint16_t, static_cast<_Float16>(x))};
 #else
   return f16{__half_as_ushort(__float2half_rn(x))};
@@ -234,7 +251,7 @@ inline ds_error_t cached_per_device(const Key& key, Value* value, Query query) {
 // PDL"). A build whose PTX targets an older architecture (say TORCH_CUDA_ARCH_LIST=8.0 run on an
 // H100) would otherwise start early without waiting and read its inputs before the previous
 // kernel wrote them. DS_PDL=0 in the environment turns PDL off (A/B runs).
-#if !DS_HIP
+#if DS_CUDA
 inline bool pdl_ready(const void* kernel) {
   static const bool env_off = [] {
     const char* e = std::getenv("DS_PDL");
@@ -255,7 +272,11 @@ inline bool pdl_ready(const void* kernel) {
 // per multiprocessor.
 inline ds_error_t multiprocessor_count(int* count) {
   return cached_per_device(0, count, [](int dev, int* n) {
-#if DS_HIP
+#if DS_EMU
+    (void)dev;
+    *n = 132;  // an H100/H200's SMs, so launch heuristics take the paths they take there
+    return DS_SUCCESS;
+#elif DS_HIP
     return hipDeviceGetAttribute(n, hipDeviceAttributeMultiprocessorCount, dev);
 #else
     return cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, dev);
@@ -263,7 +284,7 @@ inline ds_error_t multiprocessor_count(int* count) {
   });
 }
 
-#if !DS_HIP
+#if DS_CUDA
 // Dynamic shared memory, unused by `kernel`, that keeps at most `blocks_per_sm` of its blocks of
 // `threads` threads resident per multiprocessor. 0 where its registers and static shared memory
 // already do (cudaOccupancyMaxActiveBlocksPerMultiprocessor); else a block is given just over
@@ -303,7 +324,14 @@ template <typename... KArgs, typename... Args>
 inline ds_error_t launch_smem(void (*kernel)(KArgs...), dim3 grid, int threads, size_t smem,
                               ds_stream_t stream, Pdl pdl, Args... args) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return DS_SUCCESS;
-#if !DS_HIP
+#if DS_EMU
+  (void)pdl;
+  (void)smem;
+  (void)stream;
+  ds_emu::run_grid(grid, dim3(threads), [&] { kernel(static_cast<KArgs>(args)...); });
+  return DS_SUCCESS;
+#else
+#if DS_CUDA
   if (pdl == Pdl::kOn && pdl_ready(reinterpret_cast<const void*>(kernel))) {
     cudaLaunchConfig_t config = {};
     config.gridDim = grid;
@@ -330,6 +358,7 @@ inline ds_error_t launch_smem(void (*kernel)(KArgs...), dim3 grid, int threads, 
   (void)smem;
   kernel<<<grid, dim3(threads), 0, stream>>>(args...);
   return ds_get_last_error();
+#endif
 }
 
 template <typename... KArgs, typename... Args>

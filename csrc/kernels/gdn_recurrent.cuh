@@ -513,7 +513,7 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, 4) verify_pending_kernel(
 // of its own); kernels that registers already hold at 5 or fewer get no padding.
 constexpr int kOneTileBlocksPerSm = 5;
 inline size_t one_wave_pad(const void* kernel, int64_t blocks) {
-#if !DS_HIP
+#if DS_CUDA
   int sms = 0;
   if (multiprocessor_count(&sms) == DS_SUCCESS && blocks <= int64_t(kOneTileBlocksPerSm) * sms)
     return occupancy_pad_bytes(kernel, kThreads, kOneTileBlocksPerSm);  // used by PDL launches

@@ -5,8 +5,10 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#if !(defined(DS_EMU) && DS_EMU)
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <cstdint>
 #include <initializer_list>
@@ -17,9 +19,19 @@ namespace ds_ops {
 
 using TensorRefs = std::initializer_list<const at::Tensor*>;  // for checks over several inputs
 
+#if DS_EMU
+inline void check_cuda(const at::Tensor& t, const char* name) {  // the emulation runs on the CPU
+  TORCH_CHECK(t.is_cpu(), "deltaserve (emulated kernels): ", name, " must be a CPU tensor");
+}
+struct DeviceGuard {
+  explicit DeviceGuard(const c10::Device&) {}
+};
+#else
 inline void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "deltaserve: ", name, " must be a CUDA tensor");
 }
+using DeviceGuard = c10::cuda::CUDAGuard;
+#endif
 
 inline void check_dtype(const at::Tensor& t, at::ScalarType dt, const char* name) {
   TORCH_CHECK(t.scalar_type() == dt, "deltaserve: ", name, " must be ", c10::toString(dt),
@@ -48,7 +60,9 @@ inline void check_rows(const at::Tensor& t, int inner, int64_t align, const char
 
 inline void check_launch(ds_error_t err, const char* op) {
   TORCH_CHECK(err == DS_SUCCESS, "deltaserve: ", op, " launch failed: ",
-#if DS_HIP
+#if DS_EMU
+              "invalid launch configuration");
+#elif DS_HIP
               hipGetErrorString(err));
 #else
               cudaGetErrorString(err));
@@ -56,7 +70,12 @@ inline void check_launch(ds_error_t err, const char* op) {
 }
 
 inline ds_stream_t stream_of(const at::Tensor& t) {
+#if DS_EMU
+  (void)t;
+  return nullptr;
+#else
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+#endif
 }
 
 }  // namespace ds_ops

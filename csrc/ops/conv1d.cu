@@ -8,6 +8,7 @@
 
 #include "../kernels/conv1d.cuh"
 #include "common.h"
+#include "library.h"
 
 namespace ds_ops {
 namespace {
@@ -86,7 +87,7 @@ at::Tensor conv_prefill(const at::Tensor& x, const at::Tensor& weight,
   }
   p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
   p.N = slots.numel(); p.T = x.size(0); p.R = 1;
-  const c10::cuda::CUDAGuard guard(x.device());
+  const DeviceGuard guard(x.device());
   at::Tensor y = dense_like(x);
   p.y = y.data_ptr();
   if (p.N == 0) return y;
@@ -107,7 +108,7 @@ at::Tensor conv_step(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK(x.stride(0) == x.size(1) * x.stride(1),
               "deltaserve: x rows must be evenly strided");
   p.N = x.size(0); p.R = verify ? x.size(1) : 1;
-  const c10::cuda::CUDAGuard guard(x.device());
+  const DeviceGuard guard(x.device());
   at::Tensor y = dense_like(x);
   p.y = y.data_ptr();
   DS_DISPATCH_FLOAT(x.scalar_type(), "causal_conv1d_update/verify", [&] {
@@ -156,7 +157,7 @@ void conv_commit(const at::Tensor& x, const at::Tensor& conv_state, const at::Te
   p.slots = slots.data_ptr<int32_t>(); p.accepted = accepted.data_ptr<int32_t>();
   p.x_row_stride = x.stride(1);
   p.N = x.size(0); p.R = x.size(1); p.D = x.size(2);
-  const c10::cuda::CUDAGuard guard(x.device());
+  const DeviceGuard guard(x.device());
   DS_DISPATCH_FLOAT(x.scalar_type(), "causal_conv1d_commit", [&] {
     check_launch(ds::conv::launch_conv_commit<scalar_t, kWidth>(p, stream_of(x)),
                  "causal_conv1d_commit");
@@ -165,7 +166,7 @@ void conv_commit(const at::Tensor& x, const at::Tensor& conv_state, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deltaserve, CUDA, m) {
+TORCH_LIBRARY_IMPL(DS_OPS_NAMESPACE, DS_OPS_KEY, m) {
   m.impl("causal_conv1d_prefill", &conv_prefill);
   m.impl("causal_conv1d_update", &conv_update);
   m.impl("causal_conv1d_verify", &conv_verify);

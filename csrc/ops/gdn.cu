@@ -7,6 +7,7 @@
 #include "../kernels/gdn_recurrent.cuh"
 #include "../kernels/gdn_replay.cuh"
 #include "common.h"
+#include "library.h"
 
 namespace ds_ops {
 namespace {
@@ -63,7 +64,7 @@ at::Tensor gdn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const at::Tensor& dt_bias, const at::Tensor& state, const at::Tensor& slots,
                       double scale) {
   auto p = recurrent_params(q, k, v, a, b, A_log, dt_bias, state, slots, scale, false);
-  const c10::cuda::CUDAGuard guard(q.device());
+  const DeviceGuard guard(q.device());
   at::Tensor o = at::empty(v.sizes(), v.options());
   p.o = o.data_ptr();
   DS_DISPATCH_FLOAT(q.scalar_type(), "gdn_decode", [&] {
@@ -97,7 +98,7 @@ at::Tensor verify_impl(ds::gdn::RecurrentParams& p, const at::Tensor& q, const a
   p.stash_v = stash_v.data_ptr<float>() + layer * stash_v.stride(0);
   p.stash_g = stash_g.data_ptr<float>() + layer * stash_g.stride(0);
   p.stash_beta = stash_beta.data_ptr<float>() + layer * stash_beta.stride(0);
-  const c10::cuda::CUDAGuard guard(q.device());
+  const DeviceGuard guard(q.device());
   at::Tensor o = at::empty(v.sizes(), v.options());
   p.o = o.data_ptr();
   DS_DISPATCH_FLOAT(q.scalar_type(), "gdn_verify", [&] {
@@ -175,13 +176,13 @@ void gdn_replay(const at::Tensor& stash_k, const at::Tensor& stash_v, const at::
   p.L = state.size(0); p.N = slots.numel(); p.N_max = stash_k.size(1); p.R_max = stash_k.size(2);
   p.H = stash_k.size(3); p.HV = state.size(2); p.V = state.size(3);
   if (p.N == 0) return;
-  const c10::cuda::CUDAGuard guard(state.device());
+  const DeviceGuard guard(state.device());
   check_launch(ds::gdn::launch_gdn_replay(p, state.size(4), stream_of(state)), "gdn_replay");
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deltaserve, CUDA, m) {
+TORCH_LIBRARY_IMPL(DS_OPS_NAMESPACE, DS_OPS_KEY, m) {
   m.impl("gdn_decode", &gdn_decode);
   m.impl("gdn_verify", &gdn_verify);
   m.impl("gdn_replay_verify", &gdn_replay_verify);

@@ -7,6 +7,8 @@
 
 #include <optional>
 
+#include "library.h"
+
 namespace ds_ops {
 namespace {
 
@@ -50,7 +52,7 @@ void snapshot_copy_meta(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, 
 
 }  // namespace
 
-TORCH_LIBRARY(deltaserve, m) {
+DS_TORCH_LIBRARY(DS_OPS_NAMESPACE, m) {
   m.def("causal_conv1d_prefill(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, "
         "Tensor cu_seqlens, Tensor slots, Tensor? track_offsets, Tensor? track_slots) -> Tensor");
   m.def("causal_conv1d_update(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, "
@@ -74,7 +76,7 @@ TORCH_LIBRARY(deltaserve, m) {
   m.def("snapshot_copy(Tensor src, Tensor(a!) dst, int[] src_slots, int[] dst_slots) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(deltaserve, Meta, m) {
+TORCH_LIBRARY_IMPL(DS_OPS_NAMESPACE, Meta, m) {
   m.impl("causal_conv1d_prefill", &conv_prefill_meta);
   m.impl("causal_conv1d_update", &conv_step_meta);
   m.impl("causal_conv1d_verify", &conv_step_meta);
@@ -88,7 +90,9 @@ TORCH_LIBRARY_IMPL(deltaserve, Meta, m) {
 
 }  // namespace ds_ops
 
+#if !(defined(DS_EMU) && DS_EMU)
 // `from deltaserve import _C` loads this library, which registers the ops above.
 static PyModuleDef ds_module = {PyModuleDef_HEAD_INIT, "_C", "deltaserve CUDA/HIP kernels", -1,
                                 nullptr};
 PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&ds_module); }
+#endif

@@ -10,6 +10,7 @@
 
 #include "../kernels/snapshot_copy.cuh"
 #include "common.h"
+#include "library.h"
 
 namespace ds_ops {
 namespace {
@@ -111,7 +112,7 @@ void snapshot_copy(const at::Tensor& src, const at::Tensor& dst, c10::IntArrayRe
                     dst_slots[j] < dst.size(1), "deltaserve: slot id out of range");
   const int64_t width = slot_elems * src.element_size();
   const at::Tensor& dev = src.is_cuda() ? src : dst;
-  const c10::cuda::CUDAGuard guard(dev.device());
+  const DeviceGuard guard(dev.device());
   const ds_stream_t stream = stream_of(dev);
   if (src.is_cuda() && dst.is_cuda() && src.device() == dst.device())
     copy_on_device(src, dst, src_slots, dst_slots, width, stream);
@@ -121,6 +122,6 @@ void snapshot_copy(const at::Tensor& src, const at::Tensor& dst, c10::IntArrayRe
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deltaserve, CUDA, m) { m.impl("snapshot_copy", &snapshot_copy); }
+TORCH_LIBRARY_IMPL(DS_OPS_NAMESPACE, DS_OPS_KEY, m) { m.impl("snapshot_copy", &snapshot_copy); }
 
 }  // namespace ds_ops

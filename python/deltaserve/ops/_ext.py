@@ -22,6 +22,13 @@ def use_extension(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors) and extension_loaded()
 
 
+def ops():
+    """The extension's op namespace, `torch.ops.deltaserve`. The op wrappers reach the kernels
+    only through here and `use_extension`, which tests/ops/kernels_emu.py swaps for the CPU
+    emulation of the kernels (`torch.ops.deltaserve_emu`, on CPU tensors)."""
+    return torch.ops.deltaserve
+
+
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KERNEL_HEAD_DIMS = (32, 64, 128, 256)  # head_k_dim values the GDN kernels are compiled for
 KERNEL_CONV_WIDTH = 4

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltaserve.ops import _ext
 from deltaserve.ops._exact import pointwise
 from deltaserve.ops._ext import (
     KERNEL_CONV_WIDTH,
     same_kernel_dtype,
-    use_extension,
     vector_rows,
 )
 
@@ -36,7 +36,7 @@ def _conv_rows(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def _kernel_ok(x, weight, bias, conv_state) -> bool:
     """The extension handles these inputs (else the reference runs, also on CUDA)."""
-    return (use_extension(x, conv_state) and conv_state.shape[1] == KERNEL_CONV_WIDTH - 1
+    return (_ext.use_extension(x, conv_state) and conv_state.shape[1] == KERNEL_CONV_WIDTH - 1
             and (weight is None or weight.shape[1] == KERNEL_CONV_WIDTH)
             and same_kernel_dtype(x, weight, bias, conv_state)
             and x.shape[-1] % (16 // x.element_size()) == 0
@@ -69,7 +69,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if (track_offsets is None) != (track_slots is None):
         raise ValueError("track_offsets and track_slots go together")
     if _kernel_ok(x, weight, bias, conv_state):
-        return torch.ops.deltaserve.causal_conv1d_prefill(
+        return _ext.ops().causal_conv1d_prefill(
             x, weight, bias, conv_state, cu_seqlens, slots, track_offsets, track_slots)
     return conv1d_prefill_ref(x, weight, bias, conv_state, cu_seqlens, slots, track_offsets,
                               track_slots)
@@ -106,7 +106,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """
     _check(weight, conv_state, x.shape[-1])
     if _kernel_ok(x, weight, bias, conv_state):
-        return torch.ops.deltaserve.causal_conv1d_update(x, weight, bias, conv_state, slots)
+        return _ext.ops().causal_conv1d_update(x, weight, bias, conv_state, slots)
     return conv1d_update_ref(x, weight, bias, conv_state, slots)
 
 
@@ -129,7 +129,7 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """
     _check(weight, conv_state, x.shape[-1])
     if _kernel_ok(x, weight, bias, conv_state):
-        return torch.ops.deltaserve.causal_conv1d_verify(x, weight, bias, conv_state, slots)
+        return _ext.ops().causal_conv1d_verify(x, weight, bias, conv_state, slots)
     return conv1d_verify_ref(x, weight, bias, conv_state, slots)
 
 
@@ -149,7 +149,7 @@ def causal_conv1d_commit(x: torch.Tensor, conv_state: torch.Tensor, slots: torch
     if conv_state.dim() != 3 or conv_state.shape[2] != x.shape[-1]:
         raise ValueError(f"conv_state must be [S, W-1, D={x.shape[-1]}]")
     if _kernel_ok(x, None, None, conv_state):
-        torch.ops.deltaserve.causal_conv1d_commit(x, conv_state, slots, accepted)
+        _ext.ops().causal_conv1d_commit(x, conv_state, slots, accepted)
         return
     conv1d_commit_ref(x, conv_state, slots, accepted)
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from deltaserve.ops import _ext
 from deltaserve.ops._exact import pointwise
 from deltaserve.ops._ext import (
     KERNEL_HEAD_DIMS,
     same_kernel_dtype,
-    use_extension,
     vector_rows,
 )
 from deltaserve.ops.gdn_chunk import chunk_gated_delta_ref
@@ -78,7 +78,7 @@ def _prepare(q, k, v, a, b, A_log, dt_bias, scale):
 
 def _kernel_ok(q, k, v, a, b, state) -> bool:
     """The extension handles these inputs (else the reference runs, also on CUDA)."""
-    return (use_extension(q, state) and q.shape[-1] in KERNEL_HEAD_DIMS
+    return (_ext.use_extension(q, state) and q.shape[-1] in KERNEL_HEAD_DIMS
             and same_kernel_dtype(q, k, v, a, b) and vector_rows(q, 2, 4)
             and vector_rows(k, 2, 4) and v.stride(-1) == 1 and v.stride(-2) == v.shape[-1]
             and a.stride(-1) == 1 and b.stride(-1) == 1)
@@ -103,8 +103,8 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
     """
     _check_state(state, v, k)
     if _kernel_ok(q, k, v, a, b, state):
-        return torch.ops.deltaserve.gdn_decode(q, k, v, a, b, A_log.float(), dt_bias.float(),
-                                               state, slots, scale)
+        return _ext.ops().gdn_decode(q, k, v, a, b, A_log.float(), dt_bias.float(), state,
+                                     slots, scale)
     return gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, state, slots, scale)
 
 
@@ -199,9 +199,9 @@ def gdn_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
         args = (q, k, v, a, b, A_log.float(), dt_bias.float(), state, slots, scale, stash.k,
                 stash.v, stash.g, stash.beta, layer)
         if pending is None:
-            return torch.ops.deltaserve.gdn_verify(*args)
+            return _ext.ops().gdn_verify(*args)
         prev, rows = pending
-        return torch.ops.deltaserve.gdn_replay_verify(
+        return _ext.ops().gdn_replay_verify(
             *args, prev.k, prev.v, prev.g, prev.beta, rows.to(torch.int32).contiguous())
     return gdn_verify_ref(q, k, v, a, b, A_log, dt_bias, state, slots, scale, stash, layer)
 
@@ -240,9 +240,9 @@ def gdn_replay(stash: GDNStash, state_pool: torch.Tensor, slots: torch.Tensor,
     _check_state(state_pool, stash.v, stash.k)
     if n > stash.max_reqs:
         raise ValueError(f"N={n} exceeds the stash's {stash.max_reqs} requests")
-    if use_extension(state_pool, stash.k) and state_pool.shape[-1] in KERNEL_HEAD_DIMS:
-        torch.ops.deltaserve.gdn_replay(stash.k, stash.v, stash.g, stash.beta, state_pool,
-                                        slots, accepted)
+    if _ext.use_extension(state_pool, stash.k) and state_pool.shape[-1] in KERNEL_HEAD_DIMS:
+        _ext.ops().gdn_replay(stash.k, stash.v, stash.g, stash.beta, state_pool, slots,
+                              accepted)
         return
     gdn_replay_ref(stash, state_pool, slots, accepted)
 
