@@ -42,6 +42,20 @@ def test_temperatures_below_the_sampling_eps_are_greedy_and_tiny_top_p_keeps_the
     assert not SamplingParams(temperature=2e-5).greedy
 
 
+def test_penalties_and_temperatures_that_overflow_fp32_keep_the_boosted_token_on_top():
+    # a repetition_penalty of 1e-300 is 0 in fp32 and 1e-38 divides a logit of 2 past fp32's
+    # range at temperature 0.5: both made inf logits, NaN probabilities, and failed the step
+    # of every request in the batch (HTTP 500 for all of them)
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9]] * 4)
+    rows = [row(SamplingParams(repetition_penalty=1e-300), prompt=[1], seed=1),
+            row(SamplingParams(repetition_penalty=1e-38, temperature=0.5), prompt=[3], seed=2),
+            row(SamplingParams(repetition_penalty=1e-35, temperature=1.1e-5), prompt=[0], seed=3),
+            row(SamplingParams(repetition_penalty=5e-324, temperature=0.0), prompt=[2, 3])]
+    assert sample_rows(logits, rows) == [1, 3, 0, 3]
+    probs = truncated_probs(apply_penalties(logits[0], rows[0]), rows[0].params)
+    assert torch.equal(probs, torch.tensor([0.0, 1.0, 0.0, 0.0]))
+
+
 def test_top_k_and_min_p_truncate():
     logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
     assert torch.count_nonzero(truncated_probs(logits, SamplingParams(top_k=2))) == 2

@@ -15,6 +15,8 @@ import torch
 
 from deltaserve.core import SamplingParams
 
+FP32_MAX = torch.finfo(torch.float32).max
+
 
 @dataclass(slots=True)
 class SamplingRow:
@@ -42,7 +44,9 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
                             dtype=torch.long, device=logits.device)
         seen = seen[seen < vocab]
         vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+        # a penalty near 0 (1e-300 is 0 in fp32) would divide positive logits to inf, and one
+        # inf makes the softmax NaN: the largest finite float keeps such a token the top one
+        logits[seen] = torch.where(vals > 0, (vals / p.repetition_penalty).clamp(max=FP32_MAX),
                                    vals * p.repetition_penalty)
     if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and row.generated_ids:
         ids = torch.tensor(row.generated_ids, dtype=torch.long, device=logits.device)
@@ -54,7 +58,7 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
 
 def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Softmax of logits [V] / temperature after top-k, top-p and min-p truncation -> probs [V]."""
-    logits = logits / params.temperature
+    logits = (logits / params.temperature).clamp(max=FP32_MAX)  # inf would give NaN (above)
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k).values[-1]
