@@ -149,11 +149,33 @@ def test_an_unset_max_tokens_is_capped_by_the_kv_pool_as_well_as_the_context():
 @pytest.mark.parametrize("field,value", [("min_tokens", 5), ("use_beam_search", True),
                                          ("include_stop_str_in_output", True),
                                          ("allowed_token_ids", [1, 2]),
-                                         ("guided_json", {"type": "object"})])
+                                         ("guided_json", {"type": "object"}),
+                                         ("structured_outputs", {"regex": "a+"})])
 def test_vllm_extensions_that_would_change_the_output_are_refused_not_ignored(field, value):
     with pytest.raises(InvalidRequest) as e:
         CompletionRequest(prompt="Hi", **{field: value}).check_supported()
     assert e.value.param == field and "not supported" in e.value.message
+
+
+@pytest.mark.parametrize("extra,param", [({"echo": True}, "echo"),
+                                         ({"chat_template": "{{ messages }}"}, "chat_template"),
+                                         ({"continue_final_message": True},
+                                          "continue_final_message"),
+                                         ({"add_generation_prompt": False},
+                                          "add_generation_prompt"),
+                                         ({"chat_template_kwargs": {"tokenize": True}},
+                                          "chat_template_kwargs"),
+                                         ({"chat_template_kwargs": {"add_generation_prompt":
+                                                                    False}},
+                                          "chat_template_kwargs")])
+def test_chat_extensions_that_would_change_the_rendered_prompt_are_refused(extra, param):
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], **extra)
+    with pytest.raises(InvalidRequest) as e:
+        body.check_supported()
+    assert e.value.param == param
+    ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], echo=False,
+                          add_generation_prompt=True,
+                          chat_template_kwargs={"enable_thinking": False}).check_supported()
 
 
 def test_vllm_extensions_left_at_their_defaults_and_unknown_fields_are_accepted():

@@ -62,7 +62,10 @@ class StreamOptions(BaseModel):
 # (null, false, 0, empty) they would change the output, so they are a 400, not ignored.
 VLLM_UNSUPPORTED = ("min_tokens", "use_beam_search", "include_stop_str_in_output",
                     "allowed_token_ids", "bad_words", "prompt_logprobs", "truncate_prompt_tokens",
-                    "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                    "structured_outputs", "logits_processors")
+# and on chat (vLLM's chat extensions): the prompt as rendered here would differ from theirs
+VLLM_CHAT_UNSUPPORTED = ("echo", "chat_template", "continue_final_message")
 
 
 class _GenerationRequest(BaseModel):
@@ -201,6 +204,13 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+# apply_chat_template's own arguments: in chat_template_kwargs they collide with the call
+TEMPLATE_CALL_ARGS = frozenset({"conversation", "tools", "documents", "chat_template",
+                                "add_generation_prompt", "continue_final_message", "tokenize",
+                                "padding", "truncation", "max_length", "return_tensors",
+                                "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
@@ -224,6 +234,19 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidRequest("only response_format type 'text' is supported",
                                  "response_format")
+        extra = self.model_extra or {}
+        for name in VLLM_CHAT_UNSUPPORTED:
+            if extra.get(name) not in (None, False, 0, "", [], {}):
+                raise InvalidRequest(f"{name} is not supported by deltaserve", name)
+        if extra.get("add_generation_prompt", True) is not True:
+            raise InvalidRequest("add_generation_prompt must be true: deltaserve always ends "
+                                 "the rendered chat with the assistant's turn",
+                                 "add_generation_prompt")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_CALL_ARGS)
+        if reserved:
+            raise InvalidRequest(f"chat_template_kwargs may not set {reserved[0]!r}: it is an "
+                                 "argument of the template call itself, not a template variable",
+                                 "chat_template_kwargs")
 
     def max_tokens_param(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
