@@ -47,3 +47,20 @@ def test_near_zero_temperature_is_greedy_and_near_zero_top_p_keeps_the_top_token
                    SamplingParams(top_p=1e-50, max_tokens=6, ignore_eos=True, seed=2)):
         assert [out.token_ids for out in llm.generate(PROMPTS, params)] == ref
     assert_drained(llm.engine)
+
+
+def test_a_near_zero_repetition_penalty_does_not_fail_the_batch(llm):
+    # 1e-300 is 0 in fp32: the prompt's tokens got inf logits, the probabilities NaN, and the
+    # step failed for every request in it (a fresh user's run: HTTP 500 for four requests)
+    outs = llm.generate(PROMPTS, [SamplingParams(repetition_penalty=1e-300, max_tokens=4,
+                                                 ignore_eos=True, seed=3),
+                                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)])
+    assert set(outs[0].token_ids) <= set(PROMPTS[0])  # the boosted tokens, and only they
+    assert len(outs[1].token_ids) == 4
+    assert_drained(llm.engine)
+
+
+def test_booleans_are_not_prompt_token_ids(llm):
+    with pytest.raises(ValueError, match="prompt token ids must be integers"):
+        llm.generate([[True, False]], SamplingParams(max_tokens=2))
+    assert_drained(llm.engine)

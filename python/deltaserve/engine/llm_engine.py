@@ -177,7 +177,9 @@ class LLMEngine:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
+        # bool is an int subclass: [True, False] is a mistake, not the ids [1, 0]
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab
+               for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
