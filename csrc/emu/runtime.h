@@ -83,6 +83,7 @@ struct Runtime {
   struct Barrier {
     int arrived = 0;
     uint64_t generation = 0;
+    const char* site = nullptr;  // where this generation's first thread arrived
   };
   ucontext_t scheduler;
   std::vector<Thread> threads;
@@ -93,6 +94,7 @@ struct Runtime {
   int current = 0, live = 0;
   uint64_t progress = 0;  // barrier releases and thread exits: the deadlock check
   const std::function<void()>* body = nullptr;
+  bool reverse = false;  // DS_EMU_REVERSE=1: threads resumed last to first (see run_grid)
   uint3 block_idx{0, 0, 0};
   dim3 grid_dim, block_dim;
 };
@@ -125,7 +127,15 @@ inline void arrive_and_wait(Runtime::Barrier& b, int expected) {
   th.wait_gen = nullptr;
 }
 
-inline void syncthreads() { arrive_and_wait(runtime().block_barrier, runtime().live); }
+// Every thread of the block must reach the same __syncthreads() (CUDA leaves divergent barriers
+// undefined; counted from any call site, they would pass here).
+inline void syncthreads(const char* site) {
+  Runtime& rt = runtime();
+  Runtime::Barrier& b = rt.block_barrier;
+  if (b.arrived == 0) b.site = site;
+  else if (std::strcmp(b.site, site) != 0) fail("threads of one block wait at different __syncthreads()");
+  arrive_and_wait(b, rt.live);
+}
 
 // Lane `lane ^ mask` of this thread's warp: every lane of the warp must call it (as CUDA's
 // full-mask __shfl_xor_sync requires).
@@ -134,10 +144,11 @@ inline float shfl_xor(float v, int mask) {
   const int tid = rt.current, warp = tid / kWarp, base = warp * kWarp;
   const int lanes = static_cast<int>(rt.threads.size()) - base < kWarp
                         ? static_cast<int>(rt.threads.size()) - base : kWarp;
+  const int src = base + ((tid - base) ^ mask);
+  if (mask < 0 || src >= base + lanes) fail("a shuffle names a lane outside the block");
   rt.warp_slots[tid] = v;
   arrive_and_wait(rt.warp_barriers[warp], lanes);
-  const int src = base + ((tid - base) ^ mask);
-  const float out = src < base + lanes ? rt.warp_slots[src] : v;
+  const float out = rt.warp_slots[src];
   arrive_and_wait(rt.warp_barriers[warp], lanes);
   return out;
 }
@@ -148,8 +159,8 @@ inline void thread_entry() {
   rt.threads[rt.current].done = true;
   --rt.live;
   ++rt.progress;
-  // the threads left at __syncthreads() no longer wait for this one
-  if (rt.block_barrier.arrived > 0 && rt.block_barrier.arrived == rt.live) release(rt.block_barrier);
+  // an exit while others wait at __syncthreads() is a divergent barrier too
+  if (rt.block_barrier.arrived > 0) fail("a thread exits while others wait at __syncthreads()");
 }  // returns to rt.scheduler (uc_link)
 
 // Run `body` once per thread of every block of `grid` x `block`.
@@ -157,6 +168,8 @@ inline void run_grid(dim3 grid, dim3 block, const std::function<void()>& body) {
   Runtime& rt = runtime();
   const int n = static_cast<int>(block.x * block.y * block.z);
   if (n <= 0 || n > 1024) fail("block size out of range");
+  const char* order = std::getenv("DS_EMU_REVERSE");
+  rt.reverse = order != nullptr && order[0] == '1';
   rt.grid_dim = grid;
   rt.block_dim = block;
   rt.body = &body;
@@ -184,7 +197,11 @@ inline void run_grid(dim3 grid, dim3 block, const std::function<void()>& body) {
         rt.live = n;
         while (rt.live > 0) {
           const uint64_t before = rt.progress;
-          for (int t = 0; t < n; ++t) {
+          // Between barriers threads run one at a time, in thread order (or its reverse): a
+          // read of another thread's shared-memory write with no barrier between passes in one
+          // of the two orders, so the tests can be run in both.
+          for (int i = 0; i < n; ++i) {
+            const int t = rt.reverse ? n - 1 - i : i;
             const Runtime::Thread& th = rt.threads[t];
             if (th.done || (th.wait_gen != nullptr && *th.wait_gen == th.wait_from)) continue;
             rt.current = t;
@@ -204,4 +221,6 @@ inline void run_grid(dim3 grid, dim3 block, const std::function<void()>& body) {
 #define blockIdx (::ds_emu::runtime().block_idx)
 #define blockDim (::ds_emu::runtime().block_dim)
 #define gridDim (::ds_emu::runtime().grid_dim)
-#define __syncthreads() ::ds_emu::syncthreads()
+#define DS_EMU_STR2(x) #x
+#define DS_EMU_STR(x) DS_EMU_STR2(x)
+#define __syncthreads() ::ds_emu::syncthreads(__FILE__ ":" DS_EMU_STR(__LINE__))

@@ -6,7 +6,8 @@ shuffles), once per machine and source version (torch's extension cache, ~/.cach
 or $TORCH_EXTENSIONS_DIR), and registers the ops as `torch.ops.deltaserve_emu` on CPU tensors.
 `emulate(monkeypatch)` then points deltaserve.ops' wrappers at them for CPU tensors, so a test
 runs the kernels' code (indexing, staging, tiling, barriers) through the same wrappers the
-engine uses. snapshot_copy is not emulated (its host side is CUDA copies and events).
+engine uses. DS_EMU_REVERSE=1 resumes a block's threads last to first (.ci/run runs the tests
+both ways). snapshot_copy is not emulated (its host side is CUDA copies and events).
 """
 
 from __future__ import annotations
