@@ -153,6 +153,24 @@ inline float shfl_xor(float v, int mask) {
   return out;
 }
 
+// Lane `src` of this thread's aligned group of `width` lanes (CUDA's __shfl_sync with a width):
+// every lane of the warp must call it.
+inline float shfl_idx(float v, int src, int width) {
+  Runtime& rt = runtime();
+  const int tid = rt.current, warp = tid / kWarp, base = warp * kWarp;
+  const int lanes = static_cast<int>(rt.threads.size()) - base < kWarp
+                        ? static_cast<int>(rt.threads.size()) - base : kWarp;
+  if (width <= 0 || width > kWarp || (width & (width - 1)) != 0 || src < 0 || src >= width)
+    fail("a shuffle with a lane or width CUDA does not define");
+  const int from = base + ((tid - base) & ~(width - 1)) + src;
+  if (from >= base + lanes) fail("a shuffle names a lane outside the block");
+  rt.warp_slots[tid] = v;
+  arrive_and_wait(rt.warp_barriers[warp], lanes);
+  const float out = rt.warp_slots[from];
+  arrive_and_wait(rt.warp_barriers[warp], lanes);
+  return out;
+}
+
 inline void thread_entry() {
   Runtime& rt = runtime();
   (*rt.body)();

@@ -94,6 +94,18 @@ DS_DEVICE float shfl_xor(float v, int mask) {
 #endif
 }
 
+// Lane `src` (0 .. LANES-1) of this thread's aligned group of LANES consecutive lanes.
+template <int LANES>
+DS_DEVICE float shfl_group(float v, int src) {
+#if DS_EMU
+  return ds_emu::shfl_idx(v, src, LANES);
+#elif DS_HIP
+  return __shfl(v, src, LANES);
+#else
+  return __shfl_sync(0xffffffffu, v, src, LANES);
+#endif
+}
+
 // Sum over an aligned group of LANES consecutive lanes (butterfly: every lane gets the same
 // bits, since each level adds the same two values in either order).
 template <int LANES>

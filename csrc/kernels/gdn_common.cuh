@@ -4,8 +4,9 @@
 // by a group of LANES = K/16 consecutive lanes, 16 floats per lane. Lane i of a group owns the
 // K indices (j * LANES + i) * 4 + e for j, e in 0..3, so each of its four float4 accesses is
 // coalesced across the group. Every dot product over K is four fixed fma chains per lane (one
-// per e, j ascending), summed as (a0 + a1) + (a2 + a3), then a butterfly over the group: the
-// same order in all three kernels, which is what makes replay bitwise equal to decode.
+// per e, j ascending), summed as (a0 + a1) + (a2 + a3), then a butterfly over the group (or
+// step_rows' reduce-scatter, which adds the same pairs level by level): the same order in all
+// three kernels, which is what makes replay bitwise equal to decode.
 //
 // A thread may hold ROWS value rows (ROWS independent copies of that layout): more bytes in
 // flight per thread and interleaved chains. ROWS changes scheduling only, never the bits.
@@ -237,6 +238,77 @@ DS_DEVICE float step(float (&s)[kPerLane], const float (&k)[kPerLane],
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) s[i] = ffma(delta, k[i], s[i]);
   return WITH_OUTPUT ? ffma(delta, kq, sq) : 0.f;
+}
+
+// Group sums of N = 2^n partials at once, reduce-scatter style: at each butterfly level (OFF =
+// LANES/2 down to 1, as group_sum) a lane keeps half of the COUNT values it holds and adds the
+// partner's partials of that half, so each level adds the same two partials group_sum adds there
+// (in either order: the same bits) while the later levels move half as many values. Once one
+// value is left the levels are group_sum's. On return x[0] holds the full sum of value j (of
+// every lane of the group whose bits at the first log2(N) levels spell j). N <= LANES.
+template <int OFF, int COUNT, int N>
+DS_DEVICE void scatter_sum(float (&x)[N], int lane, int& j) {
+  if constexpr (OFF > 0) {
+    if constexpr (COUNT > 1) {
+      constexpr int kHalf = COUNT / 2;
+      const bool up = (lane & OFF) != 0;
+#pragma unroll
+      for (int i = 0; i < kHalf; ++i) {
+        const float send = up ? x[i] : x[kHalf + i], keep = up ? x[kHalf + i] : x[i];
+        x[i] = fadd(keep, shfl_xor(send, OFF));
+      }
+      if (up) j += kHalf;
+      scatter_sum<OFF / 2, kHalf>(x, lane, j);
+    } else {
+      x[0] = fadd(x[0], shfl_xor(x[0], OFF));
+      scatter_sum<OFF / 2, 1>(x, lane, j);
+    }
+  }
+}
+
+// Whether step_rows sums a thread's 2 * ROWS dots with scatter_sum (one value per lane left;
+// not at K = 32, where it would take one instruction more than the butterflies).
+template <int K, int ROWS>
+constexpr bool kScatterRows = 2 * ROWS <= Layout<K>::kLanes && Layout<K>::kLanes > 2;
+
+// step() on this thread's ROWS rows at once (the same k, q and gates, v per row), the same bits
+// as ROWS calls of step(): the same fma chains, and the 2 * ROWS dots summed by scatter_sum
+// (row m's S k as value m, its S q as value ROWS + m), then each row's S k taken to the whole
+// group from the first lane holding it. Per row per step that is 4 shuffles and 4 adds fewer
+// than two butterflies at K = 128 with 2 rows (2 selects more). Returns row out_m's output on the
+// one lane that stores it (out_m = -1 on the others).
+template <int K, int ROWS>
+DS_DEVICE float step_rows(float (&s)[ROWS][kPerLane], const float (&k)[kPerLane],
+                          const float (&q)[kPerLane], const float (&v)[ROWS], float decay,
+                          float beta, float kq, int& out_m) {
+  constexpr int kLanes = Layout<K>::kLanes, kSpread = kLanes / (2 * ROWS);
+  static_assert(kScatterRows<K, ROWS>, "one summed value per lane");
+  const int lane = Layout<K>::group_lane();
+  float x[2 * ROWS];
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) s[m][i] = fmul(s[m][i], decay);
+    x[m] = lane_dot<K>(s[m], k);
+    x[ROWS + m] = lane_dot<K>(s[m], q);
+  }
+  int j = 0;
+  scatter_sum<kLanes / 2, 2 * ROWS>(x, lane, j);
+  float delta[ROWS];
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m) {
+    delta[m] = fmul(fsub(v[m], shfl_group<kLanes>(x[0], m * kSpread)), beta);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) s[m][i] = ffma(delta[m], k[i], s[m][i]);
+  }
+  float d = delta[0];
+  out_m = -1;
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m) {
+    if (j == ROWS + m) d = delta[m];
+    if (lane == (ROWS + m) * kSpread) out_m = m;
+  }
+  return ffma(d, kq, x[0]);
 }
 
 // The state update of step() alone (replay): the same instructions, so the same bits.

@@ -176,9 +176,39 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   }
 }
 
+// The row step on this thread's state rows (row[m] = -1: past V) and the store of their
+// outputs into o ([V] of T, the value head's): step_rows (SCATTER, where it applies) or step()
+// per row, the same bits either way. Measured on the H200 at Qwen3-Next shapes (session 14,
+// RESULTS.md): step_rows took gdn_verify from 48.6 to 45.9 us at B=64 and 5.6-5.7% off from
+// B=64 to 512 (3.5% at B=8); in gdn_decode it cost 1.0-1.8% from B=64 on (1.8% gain at B=8), and
+// the verify with pending rows did not move, and the one-tile verify at B=1 lost 2-3%: only
+// the multi-tile verify without pending rows takes it.
+template <typename T, int K, int ROWS, bool SCATTER>
+DS_DEVICE void step_store(float (&s)[ROWS][kPerLane], const float (&k)[kPerLane],
+                          const float (&q)[kPerLane], const float (&v)[ROWS], float decay,
+                          float beta, float kq, const int (&row)[ROWS], T* o) {
+  if constexpr (SCATTER && kScatterRows<K, ROWS>) {
+    int om;
+    const float out = step_rows<K, ROWS>(s, k, q, v, decay, beta, kq, om);
+    int orow = -1;
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m)
+      if (om == m) orow = row[m];
+    if (orow >= 0) o[orow] = from_float<T>(out);
+  } else {
+    const int lane = Layout<K>::group_lane();
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m) {
+      const float out = step<K, true>(s[m], k, q, v[m], decay, beta, kq);
+      if (row[m] >= 0 && lane == 0) o[row[m]] = from_float<T>(out);
+    }
+  }
+}
+
 // The staged rows c0 .. c0+rc-1 through this thread's state rows of the span's tile slot i, one
 // output per row: o is row c0's output of the tile's value head ([V] of T, rows HV * V apart).
-template <typename T, int K, int ROWS, int VROWS, int CH, int TILES>
+// SCATTER: step_rows' sums (step_store).
+template <typename T, int K, int ROWS, bool SCATTER, int VROWS, int CH, int TILES>
 DS_DEVICE void run_rows(const RecurrentParams& p, const RowSmem<K, VROWS, CH, true, TILES>& sm,
                         float (&s)[ROWS][kPerLane], const int (&row)[ROWS], T* o, int i, int rc) {
   using L = Layout<K>;
@@ -189,13 +219,11 @@ DS_DEVICE void run_rows(const RecurrentParams& p, const RowSmem<K, VROWS, CH, tr
     float k[kPerLane], q[kPerLane];
     load_slice<K>(sm.k[r], lane, k);
     load_slice<K>(sm.q[r], lane, q);
-    const float decay = sm.decay[r][i], beta = sm.beta[r][i];
+    float v[ROWS];
 #pragma unroll
-    for (int m = 0; m < ROWS; ++m) {
-      const float out = step<K, true>(s[m], k, q, sm.v[r][i * BR + m * L::kGroups + grp], decay,
-                                      beta, sm.kq[r]);
-      if (row[m] >= 0 && lane == 0) o[row[m]] = from_float<T>(out);
-    }
+    for (int m = 0; m < ROWS; ++m) v[m] = sm.v[r][i * BR + m * L::kGroups + grp];
+    step_store<T, K, ROWS, SCATTER>(s, k, q, v, sm.decay[r][i], sm.beta[r][i], sm.kq[r], row,
+                                    o);
   }
 }
 
@@ -372,11 +400,7 @@ DS_DEVICE void decode_block(const RecurrentParams& p) {
     }
     if (i + 1 < nt) prefetch_tile<K, ROWS>(nx_head, nx.t, p.V);
     T* o = static_cast<T*>(p.o) + (int64_t(n) * p.HV + h * p.G + wt.hi) * p.V;
-#pragma unroll
-    for (int m = 0; m < ROWS; ++m) {
-      const float out = step<K, true>(s[m], k, q, v[m], decay, beta, kq);
-      if (row[m] >= 0 && lane == 0) o[row[m]] = from_float<T>(out);
-    }
+    step_store<T, K, ROWS, false>(s, k, q, v, decay, beta, kq, row, o);
     store_tile<K, ROWS>(head, s, row);
     wt = nx;
     head = nx_head;
@@ -456,7 +480,7 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
           store_tile<K, ROWS>(head, s, row);
         }
       }
-      run_rows<T, K, ROWS>(p, sm, s, row, o, i, p.R);
+      run_rows<T, K, ROWS, !PENDING>(p, sm, s, row, o, i, p.R);
       wt = nx;
       head = nx_head;
       o = nx_o;
@@ -476,7 +500,7 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
           store_tile<K, ROWS>(head_of(slot, first), s, row);
         }
       }
-      run_rows<T, K, ROWS>(p, sm, s, row, out_of(first, c0), 0, rc);
+      run_rows<T, K, ROWS, false>(p, sm, s, row, out_of(first, c0), 0, rc);
     }
   }
 }
