@@ -179,14 +179,6 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, MIN_BLOCKS)
       if (r + j < r1) xs[j].load(input_row<T, W>(p, 0, n, r + j + W - 1, c0));
   };
   load_inputs(r0);
-  // Rows past the first AHEAD are loaded one pass at a time, each after the previous pass's
-  // stores; their lines are asked into L2 now, so those later passes wait on L2, not DRAM.
-  if constexpr (VERIFY) {
-    for (int r = r0 + AHEAD; r < r1; ++r) {
-      const T* row = input_row<T, W>(p, 0, n, r + W - 1, c0);
-      if (reinterpret_cast<uintptr_t>(row) % 128 == 0) prefetch_l2(row);
-    }
-  }
   const int64_t slot = p.slots[n];
   Window<T, W> z;
 #pragma unroll

@@ -62,9 +62,11 @@ struct WorkTile {
   }
 };
 
-// Staged per-row inputs of one block, CH rows at a time: q and k of the key head (q only where
-// an output is computed), and v and the gates of each of its TILES row tiles (VROWS value rows in
-// all; tile i's rows at v[r][i * BR ..]).
+// Staged per-row inputs of one block, CH rows at a time: q and k (q only where an output is
+// computed; a verify block spanning several key heads stages each head's rows in turn: staged
+// row kh * rows + r), and v and the gates of each of its TILES row tiles. v holds CH * VROWS
+// floats, viewed as rows of `stride` floats (a span narrower than VROWS fits more rows): row
+// r's tile slot i at vrow(r, stride) + i * BR.
 template <int K, int VROWS, int CH, bool HAS_Q, int TILES = 1>
 struct RowSmem {
   float q[HAS_Q ? CH : 1][K];
@@ -73,6 +75,8 @@ struct RowSmem {
   float decay[CH][TILES];
   float beta[CH][TILES];
   float kq[HAS_Q ? CH : 1];  // k . q (q scaled) per row: the output term of step()
+  DS_DEVICE float* vrow(int r, int stride) { return &v[0][0] + r * stride; }
+  DS_DEVICE const float* vrow(int r, int stride) const { return &v[0][0] + r * stride; }
 };
 
 // This lane's 16 elements of a K-vector of floats (global or shared), float4 loads.
@@ -342,19 +346,20 @@ inline int pick_tiles_per_block(int64_t heads, int per_head, int most, int cap, 
 }
 
 // The state update of staged rows 0 .. rc-1 on this thread's state rows (replay, and a
-// verify's pending rows): row r's v at column v0 + tile row, its gates at column gi.
+// verify's pending rows): row r's k at sm.k[k0 + r], its v at v[r * stride + tile row], its
+// gates at column gi.
 template <int K, int ROWS, int VROWS, int CH, int TILES>
 DS_DEVICE void update_rows(const RowSmem<K, VROWS, CH, false, TILES>& sm,
-                           float (&s)[ROWS][kPerLane], int v0, int gi, int rc) {
+                           float (&s)[ROWS][kPerLane], int k0, const float* v, int stride,
+                           int gi, int rc) {
   using L = Layout<K>;
   const int lane = L::group_lane(), grp = L::group();
-  for (int r = 0; r < rc; ++r) {
+  for (int r = 0; r < rc; ++r, v += stride) {
     float k[kPerLane];
-    load_slice<K>(sm.k[r], lane, k);
+    load_slice<K>(sm.k[k0 + r], lane, k);
     const float decay = sm.decay[r][gi], beta = sm.beta[r][gi];
 #pragma unroll
-    for (int m = 0; m < ROWS; ++m)
-      update<K>(s[m], k, sm.v[r][v0 + m * L::kGroups + grp], decay, beta);
+    for (int m = 0; m < ROWS; ++m) update<K>(s[m], k, v[m * L::kGroups + grp], decay, beta);
   }
 }
 

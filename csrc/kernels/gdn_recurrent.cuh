@@ -33,8 +33,9 @@ struct RecurrentParams {
   int N, R, R_max, H, HV, V;
   int G;                  // HV / H: value heads per key head
   int tiles_per_block;    // work tiles (row tiles of a value head) per block
+  int key_heads_per_block;  // verify: whole key heads a block spans (1: one, or a part of one)
   float scale;            // applied to q after its L2 norm
-  // (tiles, splits, heads, G and tiles_per_block are set by the launch)
+  // (tiles, splits, heads, G, tiles_per_block and key_heads_per_block are set by the launch)
   const void* q;          // [N, R, H, K] T, strides q_stride_n / q_stride_r, [H, K] dense
   const void* k;          // [N, R, H, K] T, strides k_stride_n / k_stride_r
   const void* v;          // [N, R, HV, V] T, strides v_stride_n / v_stride_r
@@ -59,33 +60,43 @@ struct RecurrentParams {
   const int32_t* pend_rows;
 };
 
-// Stage rows c0 .. c0+rc-1 of request n for key head h and its work tiles w0 .. w0+nt-1 into
-// shared memory (work tile w: row tile w % tiles of value head h * G + w / tiles, G = HV / H),
-// and write them to the stash (k by the k_writer block of each key head, g/beta by the block
-// holding row tile 0 of each value head, v per row). Row r's q and k are formed by row group r
-// (load_qk, normalize_qk: the same bits as gdn_decode, which forms them in every group). The
-// q/k loads and the first pass of v and gate loads are all issued before any of them is used:
-// one memory round trip per staging instead of one per q/k vector and per v pass (verify with
-// R = 4 spent most of its time waiting on those in turn, with the memory pipe idle).
-template <typename T, int K, int BR, int VROWS, int CH, int TILES>
+// Stage rows c0 .. c0+rc-1 of request n for work tiles w0 .. w0+nt-1 into shared memory (work
+// tile w of the request: row tile w % tiles of value head w / tiles; the span covers key heads
+// kh0 .. kh0+nkh-1, nkh <= KH <= 2, nkh * rc <= CH), and write them to the stash (k of each key
+// head by the block holding its first tile: k_first says whether that is so for kh0, a later
+// one starts inside the span; g/beta by the block holding row tile 0 of each value head, v per
+// row). Staged row kh * rc + r holds row r's q and k of key head kh0 + kh, formed by row group
+// kh * rc + r (load_qk, normalize_qk: the same bits as gdn_decode, which forms them in every
+// group); v of row r is vrow(r, stride), stride nt * BR where KH > 1 (R rows of a span of two
+// key heads fit), else VROWS. The q/k loads and the first pass of v and gate loads are all issued
+// before any of them is used: one memory round trip per staging instead of one per q/k vector
+// and per v pass (verify with R = 4 spent most of its time waiting on those in turn, with the
+// memory pipe idle).
+template <typename T, int K, int BR, int VROWS, int CH, int TILES, int KH>
 DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, TILES>& sm,
-                          int n, int c0, int rc, int h, int w0, int nt, bool k_writer) {
+                          int n, int c0, int rc, int kh0, int nkh, int w0, int nt,
+                          bool k_first) {
   using L = Layout<K>;
   static_assert(CH <= L::kGroups, "one row group per staged row");
-  const int tid = threadIdx.x, lane = L::group_lane(), r_qk = L::group();
+  static_assert(KH == 1 || KH == 2, "one or two key heads per span");
+  const int tid = threadIdx.x, lane = L::group_lane(), g_qk = L::group();
   // v and the gates are taken from the last thread backwards, q and k from group 0 forwards:
   // with few rows the gate loads and math start in warps that hold no q/k row (the same warp
   // doing both cost the then-staged decode 18% at B=64, session 5).
   const int rt = kThreads - 1 - tid;
-  const int G = p.G;
 
-  // Every thread takes part in normalize_qk (zeros past rc): its butterflies are full-warp
-  // shuffles, and rc groups may end inside a warp (a partial warp deadlocked in them).
-  // Rows past rc load row c0's q and k (every load here is unpredicated: see v below).
-  const int r_load = c0 + (r_qk < rc ? r_qk : 0);
+  // Every thread takes part in normalize_qk (zeros past the staged rows): its butterflies are
+  // full-warp shuffles, and the rows may end inside a warp (a partial warp deadlocked in them).
+  // Groups past them load row c0's q and k of kh0 (every load here is unpredicated: see v).
+  const bool has_qk = g_qk < (KH > 1 ? nkh * rc : rc);
+  const int kh_qk = KH > 1 && has_qk && g_qk >= rc ? 1 : 0;
+  const int r_qk = has_qk ? g_qk - kh_qk * rc : 0;
   const QKWords<T> qk_words = load_qk_words<K, T>(
-      static_cast<const T*>(p.q) + n * p.q_stride_n + r_load * p.q_stride_r + h * K,
-      static_cast<const T*>(p.k) + n * p.k_stride_n + r_load * p.k_stride_r + h * K, lane);
+      static_cast<const T*>(p.q) + n * p.q_stride_n + (c0 + r_qk) * p.q_stride_r +
+          (kh0 + kh_qk) * K,
+      static_cast<const T*>(p.k) + n * p.k_stride_n + (c0 + r_qk) * p.k_stride_r +
+          (kh0 + kh_qk) * K,
+      lane);
   // v: a thread's slot u holds staged row r0 + slot_row(u), span column slot_col(u) (tile slot
   // c / BR, tile row c % BR), all loads of a pass issued before its stores. A small span (one
   // verify tile) is covered in one pass, rows and columns spread over all threads; a wide one
@@ -98,7 +109,7 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   const auto slot_col = [&](int u) {
     return kSmall ? (rt + u * kThreads) % VROWS : rt + (u % kCols) * kThreads;
   };
-  const int span = nt * BR;
+  const int span = nt * BR, stride = KH > 1 ? span : VROWS;
   const int hvv = p.HV * p.V;       // one v row (HV * V < 2^31: the launch checks)
   int v_off[kSlots];                // v_hv * V + v_row within a row; -1: past the span or V
 #pragma unroll
@@ -106,7 +117,7 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
     const int c = slot_col(u);
     const WorkTile wt = WorkTile::of(p.tiles, w0 + c / BR);
     const int vr = wt.t * BR + c % BR;
-    v_off[u] = c < span && vr < p.V ? (h * G + wt.hi) * p.V + vr : -1;
+    v_off[u] = c < span && vr < p.V ? wt.hi * p.V + vr : -1;
   }
   // Every load of the staging is unpredicated (an empty slot or idle gate thread reads an
   // element that exists) and nothing loaded is converted before normalize_qk: predicated, or
@@ -129,7 +140,7 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   T ga{}, gb{};
   float a_log = 0.f, dt_bias = 0.f;
   const auto load_gate = [&](int e) {  // e < ng with e % CH < rc, or 0 (row 0 of tile slot 0)
-    const int r = e % CH, hv = h * G + p.tiles.div(w0 + e / CH);
+    const int r = e % CH, hv = p.tiles.div(w0 + e / CH);
     a_log = p.A_log[hv];
     dt_bias = p.dt_bias[hv];
     ga = static_cast<const T*>(p.a)[n * p.a_stride_n + (c0 + r) * p.a_stride_r + hv];
@@ -138,14 +149,15 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   load_gate(rt < ng && rt % CH < rc ? rt : 0);
 
   float xq[kPerLane] = {}, xk[kPerLane] = {};
-  if (r_qk < rc) qk_to_float(qk_words, xq, xk);
+  if (has_qk) qk_to_float(qk_words, xq, xk);
   const float kq = normalize_qk<K>(xq, xk, p.scale);
-  if (r_qk < rc) {
-    store_slice<K>(sm.q[r_qk], lane, xq);
-    store_slice<K>(sm.k[r_qk], lane, xk);
-    if (k_writer)
-      store_slice<K>(p.stash_k + ((int64_t(n) * p.R_max + c0 + r_qk) * p.H + h) * K, lane, xk);
-    if (lane == 0) sm.kq[r_qk] = kq;
+  if (has_qk) {
+    store_slice<K>(sm.q[g_qk], lane, xq);
+    store_slice<K>(sm.k[g_qk], lane, xk);
+    if (k_first || kh_qk > 0)
+      store_slice<K>(
+          p.stash_k + ((int64_t(n) * p.R_max + c0 + r_qk) * p.H + kh0 + kh_qk) * K, lane, xk);
+    if (lane == 0) sm.kq[g_qk] = kq;
   }
   for (int r0 = 0; r0 < rc; r0 += kPassRows) {
     if (r0 > 0) load_v(r0, v);
@@ -153,7 +165,7 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
     for (int u = 0; u < kSlots; ++u) {
       const int r = r0 + slot_row(u), c = slot_col(u);
       const float x = r < rc && v_off[u] >= 0 ? to_float(v[u]) : 0.f;
-      if (r < rc && c < span) sm.v[r][c] = x;  // zero past V: computes, never stored
+      if (r < rc && c < span) sm.vrow(r, stride)[c] = x;  // zero past V: computes, never stored
       if (r < rc && v_off[u] >= 0)
         p.stash_v[(int64_t(n) * p.R_max + c0 + r) * hvv + v_off[u]] = x;
     }
@@ -161,7 +173,6 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   for (int e = rt; e < ng; e += kThreads) {
     const int r = e % CH, i = e / CH;
     const WorkTile wt = WorkTile::of(p.tiles, w0 + i);
-    const int hv = h * G + wt.hi;
     if (r >= rc) continue;
     if (e > rt) load_gate(e);
     const float g = gate_g(to_float(ga), a_log, dt_bias);
@@ -170,8 +181,8 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
     sm.beta[r][i] = beta;
     if (wt.t == 0) {  // once per value head: each of its tiles computes the same gates
       const int64_t sr = int64_t(n) * p.R_max + c0 + r;
-      p.stash_g[sr * p.HV + hv] = g;
-      p.stash_beta[sr * p.HV + hv] = beta;
+      p.stash_g[sr * p.HV + wt.hi] = g;
+      p.stash_beta[sr * p.HV + wt.hi] = beta;
     }
   }
 }
@@ -206,24 +217,26 @@ DS_DEVICE void step_store(float (&s)[ROWS][kPerLane], const float (&k)[kPerLane]
 }
 
 // The staged rows c0 .. c0+rc-1 through this thread's state rows of the span's tile slot i, one
-// output per row: o is row c0's output of the tile's value head ([V] of T, rows HV * V apart).
-// SCATTER: step_rows' sums (step_store).
+// output per row: their q and k are staged rows q0 .. q0+rc-1, v rows stride apart; o is
+// row c0's output of the tile's value head ([V] of T, rows HV * V apart). SCATTER: step_rows'
+// sums (step_store).
 template <typename T, int K, int ROWS, bool SCATTER, int VROWS, int CH, int TILES>
 DS_DEVICE void run_rows(const RecurrentParams& p, const RowSmem<K, VROWS, CH, true, TILES>& sm,
-                        float (&s)[ROWS][kPerLane], const int (&row)[ROWS], T* o, int i, int rc) {
+                        float (&s)[ROWS][kPerLane], const int (&row)[ROWS], T* o, int i, int rc,
+                        int q0, int stride) {
   using L = Layout<K>;
   constexpr int BR = Tile<K, ROWS>::kRows;
   const int lane = L::group_lane(), grp = L::group();
   const int o_row = p.HV * p.V;  // one verify row further (HV * V < 2^31: the launch checks)
   for (int r = 0; r < rc; ++r, o += o_row) {
     float k[kPerLane], q[kPerLane];
-    load_slice<K>(sm.k[r], lane, k);
-    load_slice<K>(sm.q[r], lane, q);
+    load_slice<K>(sm.k[q0 + r], lane, k);
+    load_slice<K>(sm.q[q0 + r], lane, q);
     float v[ROWS];
 #pragma unroll
-    for (int m = 0; m < ROWS; ++m) v[m] = sm.v[r][i * BR + m * L::kGroups + grp];
-    step_store<T, K, ROWS, SCATTER>(s, k, q, v, sm.decay[r][i], sm.beta[r][i], sm.kq[r], row,
-                                    o);
+    for (int m = 0; m < ROWS; ++m) v[m] = sm.vrow(r, stride)[i * BR + m * L::kGroups + grp];
+    step_store<T, K, ROWS, SCATTER>(s, k, q, v, sm.decay[r][i], sm.beta[r][i], sm.kq[q0 + r],
+                                    row, o);
   }
 }
 
@@ -240,7 +253,9 @@ DS_DEVICE int64_t guess_slot(const RecurrentParams& p, int n) {
 // A one-tile block (MULTI false) stages only its own rows: less shared memory and less code,
 // which is what the latency-bound small batches run. With pending rows (PENDING) a second set
 // of k, v and gates is staged, so half the rows, to stay in 48 KB of static shared memory
-// (still a whole key head's 8 tiles at Qwen3-Next shapes).
+// (still a whole key head's 8 tiles at Qwen3-Next shapes). kKeyHeads: the whole key heads a
+// block may span, 2 for the multi-tile verify without pending rows (two key heads' 16 tiles at
+// Qwen3-Next shapes; pick_key_heads_per_block), else 1.
 constexpr int kStagedRows = 512;
 template <int K, int ROWS, bool MULTI, bool PENDING = false>
 struct Staged {
@@ -248,10 +263,11 @@ struct Staged {
   static constexpr int kMaxRows = PENDING ? kStagedRows / 2 : kStagedRows;
   static constexpr int kTiles = MULTI && kMaxRows / kBR > 1 ? kMaxRows / kBR : 1;
   static constexpr int kRows = kTiles * kBR;
+  static constexpr int kKeyHeads = MULTI && !PENDING ? 2 : 1;
 };
 
 // Stage the pending rows 0 .. rc-1 (rc <= kChunk) of request n for key head h and work tiles
-// w0 .. w0+nt-1 from the previous verify's stash: k as stashed (normalised), v, and the gates
+// w0 .. w0+nt-1 of the request (within that key head) from the previous verify's stash: k as stashed (normalised), v, and the gates
 // as replay_kernel forms them (decay = gate_decay(g), beta), so update_rows applies them with
 // replay's bits, hence decode's.
 template <int K, int BR, int VROWS, int TILES>
@@ -261,7 +277,7 @@ DS_DEVICE void stage_pending(const RecurrentParams& p, RowSmem<K, VROWS, kChunk,
   // v: span column tid + j * kThreads of kPass rows at a time, all loads of a pass first
   constexpr int kCols = (VROWS + kThreads - 1) / kThreads;
   constexpr int kPass = kCols >= 8 ? 1 : 8 / kCols;
-  const int tid = threadIdx.x, G = p.G, span = nt * BR;
+  const int tid = threadIdx.x, span = nt * BR;
   const int64_t first = int64_t(n) * p.R_max;  // stash row of pending row 0
   float4 kp[kKs];
 #pragma unroll
@@ -277,7 +293,7 @@ DS_DEVICE void stage_pending(const RecurrentParams& p, RowSmem<K, VROWS, kChunk,
     const int c = tid + j * kThreads;
     const WorkTile wt = WorkTile::of(p.tiles, w0 + c / BR);
     const int vr = wt.t * BR + c % BR;
-    v_off[j] = c < span && vr < p.V ? int64_t(h * G + wt.hi) * p.V + vr : -1;
+    v_off[j] = c < span && vr < p.V ? int64_t(wt.hi) * p.V + vr : -1;
   }
   for (int r0 = 0; r0 < rc; r0 += kPass) {
     float x[kPass][kCols];
@@ -300,7 +316,7 @@ DS_DEVICE void stage_pending(const RecurrentParams& p, RowSmem<K, VROWS, kChunk,
       *reinterpret_cast<float4*>(&pm.k[i / (K / 4)][(i % (K / 4)) * 4]) = kp[u];
   }
   for (int e = tid; e < kChunk * nt; e += kThreads) {  // e = i * kChunk + r, rows past rc idle
-    const int r = e % kChunk, i = e / kChunk, hv = h * G + p.tiles.div(w0 + i);
+    const int r = e % kChunk, i = e / kChunk, hv = p.tiles.div(w0 + i);
     if (r >= rc) continue;
     pm.decay[r][i] = gate_decay(p.pend_g[(first + r) * p.HV + hv]);
     pm.beta[r][i] = p.pend_beta[(first + r) * p.HV + hv];
@@ -407,20 +423,24 @@ DS_DEVICE void decode_block(const RecurrentParams& p) {
   }
 }
 
-// gdn_verify, one block: work tiles [w0, w0 + nt) of key head h of request n. Work tile w is row
-// tile w % tiles of value head h * G + w / tiles (G = HV / H value heads share q and k).
+// gdn_verify, one block: work tiles [w0, w0 + nt) of request n, of key heads h0 ..
+// h0 + key_heads_per_block - 1 (work tile w of the request: row tile w % tiles of value head
+// w / tiles; value heads h * G .. h * G + G - 1 share key head h's q and k). A block spans
+// several whole key heads, or a part of one.
 //   MULTI (several tiles, R <= kChunk, the launch sees to both): everything the block's tiles
-//     need (q, k, k . q, and each tile's v and gates) is staged once, behind one barrier; then
-//     the tiles run back to back, the next one prefetched into L2 while the current one
-//     computes. Per-tile staging and barriers were about a third of verify's instructions with
-//     several tiles per block (ncu, session 5).
+//     need (q, k, k . q of each key head, and each tile's v and gates) is staged once, behind
+//     one barrier; then the tiles run back to back, the next one prefetched into L2 while the
+//     current one computes. Per-tile staging and barriers were about a third of verify's
+//     instructions with several tiles per block (ncu, session 5), and a block spanning two key
+//     heads stages once for 16 tiles instead of twice for 8 (RESULTS.md, session 14).
 //   one tile: staged chunk by chunk (kChunk rows), the state held in registers across chunks.
 //   PENDING (pend_rows set; R_max <= kChunk, the launch sees to it): the previous verify's
 //     accepted rows of this request are applied to each tile as it is loaded, and that state is
 //     written back, before the verify rows run on it: gdn_replay of this layer folded into the
 //     launch that reads the state anyway, so a speculative step moves the state once, not
 //     three times (verify read, replay read + write).
-// Grid: (splits of the G * tiles work tiles, H, N).
+// Grid: (splits of a key head's G * tiles work tiles (1 where a block spans whole key heads),
+// ceil(H / key_heads_per_block), N).
 template <typename T, int K, int ROWS, bool MULTI, bool PENDING>
 DS_DEVICE void verify_block(const RecurrentParams& p) {
   using S = Staged<K, ROWS, MULTI, PENDING>;
@@ -429,16 +449,16 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
   __shared__ __align__(16) RowSmem<K, PENDING ? S::kRows : 1, PENDING ? kChunk : 1, false,
                                    PENDING ? S::kTiles : 1> pm;
 
-  const int tiles = static_cast<int>(p.tiles.d);
-  const int h = blockIdx.y, n = blockIdx.z;
-  const int w0 = blockIdx.x * p.tiles_per_block;
+  const int tiles = static_cast<int>(p.tiles.d), per_head = p.G * tiles;
+  const int h0 = blockIdx.y * p.key_heads_per_block, n = blockIdx.z;
+  const int w0 = h0 * per_head + blockIdx.x * p.tiles_per_block;
   const int64_t head_elems = int64_t(p.V) * K;
   const auto head_of = [&](int64_t slot, WorkTile wt) {
-    return p.state + (slot * p.HV + h * p.G + wt.hi) * head_elems;
+    return p.state + (slot * p.HV + wt.hi) * head_elems;
   };
-  // Row c0's output of value head h * G + wt.hi: [V] of T, the next row HV * V further.
+  // Row c0's output of value head wt.hi: [V] of T, the next row HV * V further.
   const auto out_of = [&](WorkTile wt, int c0) {
-    return static_cast<T*>(p.o) + ((int64_t(n) * p.R + c0) * p.HV + h * p.G + wt.hi) * p.V;
+    return static_cast<T*>(p.o) + ((int64_t(n) * p.R + c0) * p.HV + wt.hi) * p.V;
   };
   const WorkTile first = WorkTile::of(p.tiles, w0);
 
@@ -457,17 +477,24 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
   float s[ROWS][kPerLane];
   int row[ROWS];
   load_tile<K, ROWS>(head_of(slot, first), first.t, p.V, s, row);  // in flight while staging
+  const bool k_first = w0 == h0 * per_head;  // this block writes the stash's k of key head h0
   if constexpr (MULTI) {
-    const int per_head = p.G * tiles;
-    const int nt = w0 + p.tiles_per_block < per_head ? p.tiles_per_block : per_head - w0;
-    stage_span<T, K, BR, S::kRows, kChunk, S::kTiles>(p, sm, n, 0, p.R, h, w0, nt, w0 == 0);
+    const int kh_end = h0 + p.key_heads_per_block < p.H ? h0 + p.key_heads_per_block : p.H;
+    const int w_end = kh_end * per_head < w0 + p.tiles_per_block ? kh_end * per_head
+                                                                  : w0 + p.tiles_per_block;
+    const int nt = w_end - w0, nkh = p.key_heads_per_block > 1 ? kh_end - h0 : 1;
+    const int stride = S::kKeyHeads > 1 ? nt * BR : S::kRows;  // of v (stage_span)
+    stage_span<T, K, BR, S::kRows, kChunk, S::kTiles, S::kKeyHeads>(p, sm, n, 0, p.R, h0, nkh,
+                                                                    w0, nt, k_first);
     if constexpr (PENDING) {
-      if (pend > 0) stage_pending<K, BR>(p, pm, n, pend, h, w0, nt);
+      if (pend > 0) stage_pending<K, BR>(p, pm, n, pend, h0, w0, nt);
     }
     __syncthreads();
     WorkTile wt = first;
-    float* head = head_of(slot, first);  // the state of value head h * G + wt.hi
+    float* head = head_of(slot, first);  // the state of value head wt.hi
     T* o = out_of(first, 0);             // its outputs
+    int q0 = 0;                              // the staged q/k rows of the tile's key head
+    int kh_left = (h0 + 1) * per_head - w0;  // tiles left in that key head
     for (int i = 0; i < nt; ++i) {
       const WorkTile nx = wt.next(tiles);
       float* const nx_head = nx.t == 0 ? head + head_elems : head;
@@ -476,31 +503,37 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
       if (i + 1 < nt) prefetch_tile<K, ROWS>(nx_head, nx.t, p.V);
       if constexpr (PENDING) {
         if (pend > 0) {
-          update_rows<K>(pm, s, i * BR, i, pend);
+          update_rows<K>(pm, s, 0, pm.v[0] + i * BR, S::kRows, i, pend);
           store_tile<K, ROWS>(head, s, row);
         }
       }
-      run_rows<T, K, ROWS, !PENDING>(p, sm, s, row, o, i, p.R);
+      run_rows<T, K, ROWS, !PENDING>(p, sm, s, row, o, i, p.R, q0, stride);
+      if constexpr (S::kKeyHeads > 1) {
+        if (--kh_left == 0) {
+          kh_left = per_head;
+          q0 += p.R;
+        }
+      }
       wt = nx;
       head = nx_head;
       o = nx_o;
     }
   } else {
     if constexpr (PENDING) {
-      if (pend > 0) stage_pending<K, BR>(p, pm, n, pend, h, w0, 1);
+      if (pend > 0) stage_pending<K, BR>(p, pm, n, pend, h0, w0, 1);
     }
     for (int c0 = 0; c0 < p.R; c0 += kChunk) {
       const int rc = p.R - c0 < kChunk ? p.R - c0 : kChunk;
       if (c0 > 0) __syncthreads();  // every thread is done with the previous chunk
-      stage_span<T, K, BR, S::kRows, kChunk, 1>(p, sm, n, c0, rc, h, w0, 1, w0 == 0);
+      stage_span<T, K, BR, S::kRows, kChunk, 1, 1>(p, sm, n, c0, rc, h0, 1, w0, 1, k_first);
       __syncthreads();
       if constexpr (PENDING) {
         if (c0 == 0 && pend > 0) {
-          update_rows<K>(pm, s, 0, 0, pend);
+          update_rows<K>(pm, s, 0, pm.v[0], S::kRows, 0, pend);
           store_tile<K, ROWS>(head_of(slot, first), s, row);
         }
       }
-      run_rows<T, K, ROWS, false>(p, sm, s, row, out_of(first, c0), 0, rc);
+      run_rows<T, K, ROWS, false>(p, sm, s, row, out_of(first, c0), 0, rc, 0, S::kRows);
     }
   }
 }
@@ -547,12 +580,38 @@ inline size_t one_wave_pad(const void* kernel, int64_t blocks) {
   return 0;
 }
 
+// Key heads per multi-tile verify block without pending rows: 2 where a block already takes a
+// whole key head, the staged rows of two fit (2 R <= kChunk, their 2 * per_head tiles within
+// Staged<>::kTiles) and the grid keeps kMinBlocks blocks: B >= 64 at Qwen3-Next shapes with R
+// = 4. H200, session 14 (RESULTS.md), same build with one and two: gdn_verify 2.0% / 2.5% /
+// 2.0% faster at B = 64 / 128 / 256, even at 512. With pending rows two key heads were slower
+// than one key head per block had been (their v takes two passes of loads), so that kernel
+// keeps one. DS_GDN_KEY_HEADS=1 in the environment keeps one, =2 takes two wherever they fit
+// (tuning runs and tests).
+inline int pick_key_heads_per_block(const RecurrentParams& p, int per_head, int tiles_per_block,
+                                    int cap) {
+  const char* forced = std::getenv("DS_GDN_KEY_HEADS");
+  const int force = forced != nullptr ? std::atoi(forced) : 0;
+  const bool fits = tiles_per_block == per_head && p.H > 1 && 2 * p.R <= kChunk &&
+                    2 * per_head <= cap;
+  if (!fits || force == 1) return 1;
+  return force == 2 || int64_t(p.N) * ceil_div(p.H, 2) >= kMinBlocks ? 2 : 1;
+}
+
 template <typename T, int K, int ROWS, bool PENDING>
 inline ds_error_t launch_verify(RecurrentParams p, int tiles, ds_stream_t stream) {
   const int per_head = p.G * tiles;
   constexpr int cap = Staged<K, ROWS, true, PENDING>::kTiles;
   p.tiles_per_block = pick_tiles_per_block(int64_t(p.N) * p.H, per_head, cap, cap, p.R);
-  const dim3 grid(static_cast<unsigned>(ceil_div(per_head, p.tiles_per_block)), p.H, p.N);
+  p.key_heads_per_block = 1;
+  if (!PENDING && p.tiles_per_block > 1) {
+    p.key_heads_per_block = pick_key_heads_per_block(p, per_head, p.tiles_per_block, cap);
+    p.tiles_per_block *= p.key_heads_per_block;
+  }
+  const int splits = p.key_heads_per_block > 1
+                         ? 1 : static_cast<int>(ceil_div(per_head, p.tiles_per_block));
+  const dim3 grid(static_cast<unsigned>(splits),
+                  static_cast<unsigned>(ceil_div(p.H, p.key_heads_per_block)), p.N);
   if (p.tiles_per_block > 1) {
     if constexpr (PENDING && ROWS == 2)
       return launch(verify_pending_kernel<T, K, ROWS>, grid, kThreads, stream, Pdl::kOn, p);

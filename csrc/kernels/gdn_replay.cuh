@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kThreads) replay_kernel(const ReplayParams p) 
     for (int i = 0; i < nt; ++i) {  // one tile unless MULTI
       if (i > 0) load_tile<K, ROWS>(head, t0 + i, p.V, s, row);
       if (i + 1 < nt) prefetch_tile<K, ROWS>(head, t0 + i + 1, p.V);
-      update_rows<K>(sm, s, i * BR, 0, rc);
+      update_rows<K>(sm, s, 0, &sm.v[0][i * BR], VR, 0, rc);
       if (MULTI) store_tile<K, ROWS>(head, s, row);
     }
   }

@@ -164,7 +164,9 @@ def test_verify_rows_equal_stepwise_decode_outputs_bitwise(kd, h, hv, rows, dtyp
                                    rtol=1e-5)
 
 
-@pytest.mark.parametrize("n", [32, 64])  # Qwen3-Next shapes: 4 and 8 row tiles per verify block
+# Qwen3-Next shapes: 4 and 8 row tiles per verify block at n = 32 and 64; at 64 with R = 4 a
+# block spans two key heads (16 tiles)
+@pytest.mark.parametrize("n", [32, 64])
 @pytest.mark.parametrize("rows", [4, 9])  # 9: q, k restaged for every tile and chunk
 def test_verify_blocks_over_several_tiles_equal_stepwise_decode_and_replay(n, rows):
     h, hv, kd = 16, 32, 128
@@ -185,14 +187,18 @@ def test_verify_blocks_over_several_tiles_equal_stepwise_decode_and_replay(n, ro
     assert torch.equal(live, expect[0])
 
 
-@pytest.mark.parametrize("kd,vd,h,hv", [(128, 100, 2, 4), (64, 40, 1, 2)])
-@pytest.mark.parametrize("tiles", [None, "2", "3"])
+@pytest.mark.parametrize("kd,vd,h,hv", [(128, 100, 2, 4), (64, 40, 1, 2), (64, 40, 3, 6)])
+@pytest.mark.parametrize("tiles", [None, "2", "3", "16+2"])
 def test_value_rows_off_the_tile_grid_keep_decode_verify_and_replay_bitwise(kd, vd, h, hv, tiles,
                                                                             monkeypatch):
     """V not a multiple of the row tile: each value head ends in a short tile, next to the next
-    head's first one (G = 2), in decode's per-thread row inputs and in verify's staged ones."""
+    head's first one (G = 2), in decode's per-thread row inputs and in verify's staged ones.
+    "16+2": verify blocks of two whole key heads (h = 3: the last block holds one)."""
     if tiles is not None:
+        tiles, _, key_heads = tiles.partition("+")
         monkeypatch.setenv("DS_GDN_TILES", tiles)
+        if key_heads:
+            monkeypatch.setenv("DS_GDN_KEY_HEADS", key_heads)
     n, rows = 10, 4
     ins = gdn_inputs(n, rows, h, hv, kd, vd, seed=40, dtype=torch.bfloat16, device=DEV)
     pool = random_state(n + 1, hv, vd, kd, seed=41, device=DEV)
@@ -269,7 +275,8 @@ def test_prefill_on_cuda_matches_the_chunked_reference_in_our_state_layout():
     torch.testing.assert_close(final, final_ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("kd,h,hv,n,rows", [(128, 16, 32, 24, 4), (128, 16, 32, 2, 4),
+@pytest.mark.parametrize("kd,h,hv,n,rows", [(128, 16, 32, 24, 4), (128, 16, 32, 64, 4),
+                                            (128, 16, 32, 2, 4),
                                             (64, 2, 4, 5, 8), (256, 1, 2, 3, 3),
                                             (32, 4, 8, 40, 2), (128, 2, 8, 300, 1)])
 def test_verify_with_pending_rows_equals_replay_then_verify_bitwise(kd, h, hv, n, rows):

@@ -61,8 +61,11 @@ def _decode_steps(ins, pool, slots, rows_per_req):
     return outs
 
 
-def _tuning(monkeypatch, rows: str | None, tiles: str | None) -> None:
-    for name, value in (("DS_GDN_ROWS", rows), ("DS_GDN_TILES", tiles)):
+def _tuning(monkeypatch, rows: str | None, tiles: str | None, key_heads: str | None = None) -> None:
+    """Force the launch's rows per thread, tiles per block and key heads per verify block (None:
+    the heuristics'). tiles "16" with key_heads "2": a verify block spans two whole key heads."""
+    for name, value in (("DS_GDN_ROWS", rows), ("DS_GDN_TILES", tiles),
+                        ("DS_GDN_KEY_HEADS", key_heads)):
         if value is None:
             monkeypatch.delenv(name, raising=False)
         else:
@@ -94,18 +97,21 @@ def test_emulated_decode_matches_the_reference(kd, vd, h, hv, rows, dtype, monke
 
 
 @pytest.mark.parametrize("kd,vd,h,hv", [(32, 48, 2, 4), (128, 40, 1, 2), (64, 64, 2, 2),
-                                        (256, 16, 1, 4)])
-@pytest.mark.parametrize("rows,tiles", [(1, None), (4, None), (4, "1"), (4, "3"), (9, None),
-                                        ("2", "2")])
+                                        (256, 16, 1, 4), (64, 40, 3, 6)])
+@pytest.mark.parametrize("rows,tiles,key_heads", [
+    (1, None, None), (4, None, None), (4, "1", None), (4, "3", None), (9, None, None),
+    ("2", "2", None), (4, "16", "2"), (3, "16", "2"), ("2", "16", "2")])
 def test_emulated_verify_rows_equal_decode_bitwise_and_replay_equals_n_decodes(kd, vd, h, hv,
                                                                                rows, tiles,
+                                                                               key_heads,
                                                                                monkeypatch):
-    """rows "2": R = 4 with 2 value rows per thread forced (else the heuristic's 1 here)."""
+    """rows "2": R = 4 with 2 value rows per thread forced (else the heuristic's 1 here); key
+    heads "2": blocks of two whole key heads where H > 1 (h = 3: the last block holds one)."""
     if isinstance(rows, str):
-        _tuning(monkeypatch, rows, tiles)
+        _tuning(monkeypatch, rows, tiles, key_heads)
         rows = 4
     else:
-        _tuning(monkeypatch, None, tiles)
+        _tuning(monkeypatch, None, tiles, key_heads)
     n, layers = 4, 2
     ins = [gdn_inputs(n, rows, h, hv, kd, vd, seed=10 + i, dtype=torch.bfloat16)
            for i in range(layers)]
@@ -134,7 +140,8 @@ def test_emulated_verify_rows_equal_decode_bitwise_and_replay_equals_n_decodes(k
 
 
 @pytest.mark.parametrize("kd,vd,h,hv,n,rows", [(64, 64, 2, 4, 3, 4), (32, 32, 4, 8, 5, 8),
-                                               (128, 48, 1, 2, 2, 3), (256, 32, 1, 1, 2, 2)])
+                                               (128, 48, 1, 2, 2, 3), (256, 32, 1, 1, 2, 2),
+                                               (64, 40, 3, 6, 3, 3)])
 @pytest.mark.parametrize("tiles", [None, "1", "2"])
 def test_emulated_verify_with_pending_rows_equals_replay_then_verify_bitwise(kd, vd, h, hv, n,
                                                                              rows, tiles,
@@ -250,3 +257,29 @@ def test_emulated_bindings_refuse_bad_shapes_and_dtypes():
         ops.gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots[:1], 0.1)
     with pytest.raises(RuntimeError, match="slots must be Int, got Long"):
         ops.gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots.long(), 0.1)
+
+
+def test_emulated_engine_folds_the_accepted_rows_into_the_next_verify_and_keeps_the_tokens(
+        tmp_path):
+    """The engine on the emulated kernels (GDN head dims 32, which they take): n-gram
+    speculation, whose verify steps apply the previous step's accepted rows in the same launch
+    (gdn_replay_verify), gives plain decoding's tokens, and leaves nothing pending."""
+    from deltaserve import LLM, SamplingParams
+    from deltaserve.model.testing import make_tiny_checkpoint
+    from drained import assert_drained
+    from token_ids import random_tokens
+
+    ckpt = str(make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=5,
+                                    linear_key_head_dim=32, linear_value_head_dim=32))
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    batch = [random_tokens(n, seed=n + 7) for n in (9, 40)]
+    kw = dict(device="cpu", dtype="float32", num_pages=256, page_size=16, max_running_reqs=4)
+    plain = LLM(ckpt, **kw)
+    spec = LLM(ckpt, speculative_algorithm="ngram", speculative_num_steps=3, **kw)
+    off = [o.token_ids for o in plain.generate(batch, greedy)]
+    on = [o.token_ids for o in spec.generate(batch, greedy)]
+    pool = spec.engine.state_pool
+    assert pool.n_taken > 0, "no verify took the previous step's rows (gdn_replay_verify)"
+    assert not pool.has_pending
+    assert on == off
+    assert_drained(spec.engine)
