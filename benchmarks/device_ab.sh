@@ -7,7 +7,9 @@
 #   AB_ARGS="--batches 1,8,64,256 --rounds 2 --conv" TESTS=1 bash benchmarks/device_ab.sh
 #   (AB_CONFIGS: extra LABEL=PYTHON_DIR[,NAME=VALUE...] configurations, space-separated;
 #   TESTS_ARGS: what pytest -m gpu runs, default "tests/ops tests/model" (~70 s); e.g.
-#   "tests/ops/test_gdn_gpu.py -k verify" took 2 s in session 12's last call)
+#   "tests/ops/test_gdn_gpu.py -k verify" took 2 s in session 12's last call; all gpu tests but
+#   tests/server, whose uvicorn the device lacks, need over 250 s: session 14's calls stopped
+#   at the last one, the engine's folded-replay test)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 shopt -s nullglob
