@@ -259,6 +259,41 @@ def test_emulated_bindings_refuse_bad_shapes_and_dtypes():
         ops.gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots.long(), 0.1)
 
 
+def test_emulated_bindings_refuse_inconsistent_stashes_and_oversized_verify_grids():
+    """What the Python wrappers do not check, the bindings do (a fresh reviewer's findings: a
+    stash with more key heads than value heads crashed replay with a division by zero, a g of
+    the wrong HV was written past its end)."""
+    n, rows, h, hv, kd, vd = 2, 3, 2, 4, 32, 32
+    x = gdn_inputs(n, rows, h, hv, kd, vd, seed=7)
+    pool = random_state(3, hv, vd, kd, seed=8, layers=1)
+    slots = torch.tensor([1, 2], dtype=torch.int32)
+    accepted = torch.tensor([1, 2], dtype=torch.int32)
+    ops = kernels_emu.load()
+    st = GDNStash.allocate(1, n, rows, h, hv, kd, vd, "cpu")
+    live = pool.clone()
+    gdn_verify(*x, live[0], slots, 0.1, st, 0)  # the consistent call goes through
+    assert torch.equal(live, pool)
+    bad_h = GDNStash.allocate(1, n, rows, 8, hv, kd, vd, "cpu")
+    with pytest.raises(RuntimeError, match="HV must be a positive multiple"):
+        ops.gdn_replay(bad_h.k, bad_h.v, bad_h.g, bad_h.beta, pool, slots, accepted)
+    g1 = st.g[..., :1].contiguous()
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        ops.gdn_verify(*x, pool[0], slots, 0.1, st.k, st.v, g1, g1.clone(), 0)
+    with pytest.raises(RuntimeError, match="g and beta"):
+        ops.gdn_replay(st.k, st.v, g1, g1.clone(), pool, slots, accepted)
+    v_short = st.v[:, :, :rows - 1].contiguous()
+    with pytest.raises(RuntimeError, match="must share"):
+        ops.gdn_verify(*x, pool[0], slots, 0.1, st.k, v_short, st.g, st.beta, 0)
+    with pytest.raises(RuntimeError, match="must not share memory"):
+        ops.gdn_replay_verify(*x, pool[0], slots, 0.1, st.k, st.v, st.g, st.beta, 0,
+                              st.k, st.v, st.g, st.beta, accepted)
+    many = 65536
+    big = gdn_inputs(many, 1, 1, 1, kd, vd, seed=9)
+    with pytest.raises(RuntimeError, match="at most 65,535 requests"):
+        ops.gdn_verify(*big, random_state(2, 1, vd, kd, seed=1),
+                       torch.zeros(many, dtype=torch.int32), 0.1, st.k, st.v, st.g, st.beta, 0)
+
+
 def test_emulated_engine_folds_the_accepted_rows_into_the_next_verify_and_keeps_the_tokens(
         tmp_path):
     """The engine on the emulated kernels (GDN head dims 32, which they take): n-gram
