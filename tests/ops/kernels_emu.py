@@ -2,8 +2,9 @@
 
 `load()` compiles csrc/ops/{registry.cpp, gdn.cu, conv1d.cu} with the host compiler and -DDS_EMU
 (csrc/emu/runtime.h: blocks in turn, a block's threads as fibers switched at barriers and warp
-shuffles), once per machine and source version (torch's extension cache, ~/.cache/torch_extensions
-or $TORCH_EXTENSIONS_DIR), and registers the ops as `torch.ops.deltaserve_emu` on CPU tensors.
+shuffles), once per checkout and source version (ninja, in build/emu/ of this checkout: torch's
+shared extension cache, keyed by name only, let two checkouts rebuild over each other), and
+registers the ops as `torch.ops.deltaserve_emu` on CPU tensors.
 `emulate(monkeypatch)` then points deltaserve.ops' wrappers at them for CPU tensors, so a test
 runs the kernels' code (indexing, staging, tiling, barriers) through the same wrappers the
 engine uses. DS_EMU_REVERSE=1 resumes a block's threads last to first (.ci/run runs the tests
@@ -39,7 +40,10 @@ def load():
         import ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    build = ROOT / "build" / "emu"
+    build.mkdir(parents=True, exist_ok=True)
     load_extension(name="deltaserve_emu", sources=[str(s) for s in SOURCES],
+                   build_directory=str(build),
                    extra_include_paths=[str(ROOT / "csrc")], extra_cflags=FLAGS,
                    is_python_module=False, verbose=False)
     return torch.ops.deltaserve_emu
