@@ -67,15 +67,15 @@ struct RecurrentParams {
 // one starts inside the span; g/beta by the block holding row tile 0 of each value head, v per
 // row). Staged row kh * rc + r holds row r's q and k of key head kh0 + kh, formed by row group
 // kh * rc + r (load_qk, normalize_qk: the same bits as gdn_decode, which forms them in every
-// group); v of row r is vrow(r, stride), stride nt * BR where KH > 1 (R rows of a span of two
-// key heads fit), else VROWS. The q/k loads and the first pass of v and gate loads are all issued
+// group); v of row r at vrow(r, stride) (the caller's stride: nt * BR where R rows of a span of
+// two key heads are packed, else VROWS). The q/k loads and the first pass of v and gate loads are all issued
 // before any of them is used: one memory round trip per staging instead of one per q/k vector
 // and per v pass (verify with R = 4 spent most of its time waiting on those in turn, with the
 // memory pipe idle).
 template <typename T, int K, int BR, int VROWS, int CH, int TILES, int KH>
 DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, TILES>& sm,
                           int n, int c0, int rc, int kh0, int nkh, int w0, int nt,
-                          bool k_first) {
+                          int stride, bool k_first) {
   using L = Layout<K>;
   static_assert(CH <= L::kGroups, "one row group per staged row");
   static_assert(KH == 1 || KH == 2, "one or two key heads per span");
@@ -109,7 +109,7 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   const auto slot_col = [&](int u) {
     return kSmall ? (rt + u * kThreads) % VROWS : rt + (u % kCols) * kThreads;
   };
-  const int span = nt * BR, stride = KH > 1 ? span : VROWS;
+  const int span = nt * BR;
   const int hvv = p.HV * p.V;       // one v row (HV * V < 2^31: the launch checks)
   int v_off[kSlots];                // v_hv * V + v_row within a row; -1: past the span or V
 #pragma unroll
@@ -191,8 +191,8 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
 // outputs into o ([V] of T, the value head's): step_rows (SCATTER, where it applies) or step()
 // per row, the same bits either way. Measured on the H200 at Qwen3-Next shapes (session 14,
 // RESULTS.md): step_rows took gdn_verify from 48.6 to 45.9 us at B=64 and 5.6-5.7% off from
-// B=64 to 512 (3.5% at B=8); in gdn_decode it cost 1.0-1.8% from B=64 on (1.8% gain at B=8), and
-// the verify with pending rows did not move, and the one-tile verify at B=1 lost 2-3%: only
+// B=64 to 512 (3.5% at B=8). gdn_decode lost 1.0-1.8% with it from B=64 on (gained 1.8% at
+// B=8), the verify with pending rows did not move, the one-tile verify lost 2-3% at B=1: only
 // the multi-tile verify without pending rows takes it.
 template <typename T, int K, int ROWS, bool SCATTER>
 DS_DEVICE void step_store(float (&s)[ROWS][kPerLane], const float (&k)[kPerLane],
@@ -266,10 +266,10 @@ struct Staged {
   static constexpr int kKeyHeads = MULTI && !PENDING ? 2 : 1;
 };
 
-// Stage the pending rows 0 .. rc-1 (rc <= kChunk) of request n for key head h and work tiles
-// w0 .. w0+nt-1 of the request (within that key head) from the previous verify's stash: k as stashed (normalised), v, and the gates
-// as replay_kernel forms them (decay = gate_decay(g), beta), so update_rows applies them with
-// replay's bits, hence decode's.
+// Stage the pending rows 0 .. rc-1 (rc <= kChunk) of request n for key head h and the request's
+// work tiles w0 .. w0+nt-1 (within that key head) from the previous verify's stash: k as stashed
+// (normalised), v, and the gates as replay_kernel forms them (decay = gate_decay(g), beta), so
+// update_rows applies them with replay's bits, hence decode's.
 template <int K, int BR, int VROWS, int TILES>
 DS_DEVICE void stage_pending(const RecurrentParams& p, RowSmem<K, VROWS, kChunk, false, TILES>& pm,
                              int n, int rc, int h, int w0, int nt) {
@@ -482,10 +482,10 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
     const int kh_end = h0 + p.key_heads_per_block < p.H ? h0 + p.key_heads_per_block : p.H;
     const int w_end = kh_end * per_head < w0 + p.tiles_per_block ? kh_end * per_head
                                                                   : w0 + p.tiles_per_block;
-    const int nt = w_end - w0, nkh = p.key_heads_per_block > 1 ? kh_end - h0 : 1;
-    const int stride = S::kKeyHeads > 1 ? nt * BR : S::kRows;  // of v (stage_span)
+    const int nt = w_end - w0, nkh = kh_end - h0;
+    const int stride = S::kKeyHeads > 1 ? nt * BR : S::kRows;  // of the staged v rows
     stage_span<T, K, BR, S::kRows, kChunk, S::kTiles, S::kKeyHeads>(p, sm, n, 0, p.R, h0, nkh,
-                                                                    w0, nt, k_first);
+                                                                    w0, nt, stride, k_first);
     if constexpr (PENDING) {
       if (pend > 0) stage_pending<K, BR>(p, pm, n, pend, h0, w0, nt);
     }
@@ -525,7 +525,8 @@ DS_DEVICE void verify_block(const RecurrentParams& p) {
     for (int c0 = 0; c0 < p.R; c0 += kChunk) {
       const int rc = p.R - c0 < kChunk ? p.R - c0 : kChunk;
       if (c0 > 0) __syncthreads();  // every thread is done with the previous chunk
-      stage_span<T, K, BR, S::kRows, kChunk, 1, 1>(p, sm, n, c0, rc, h0, 1, w0, 1, k_first);
+      stage_span<T, K, BR, S::kRows, kChunk, 1, 1>(p, sm, n, c0, rc, h0, 1, w0, 1, S::kRows,
+                                                    k_first);
       __syncthreads();
       if constexpr (PENDING) {
         if (c0 == 0 && pend > 0) {

@@ -74,31 +74,33 @@ at::Tensor gdn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   return o;
 }
 
-// The stash tensors [L, N_max, R_max, ...] of a verify: checked against q/v; `what` names them.
-void check_stash(const ds::gdn::RecurrentParams& p, int64_t K, const at::Tensor& k,
-                 const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, int64_t layer,
-                 const char* what) {
+// A stash's four tensors: fp32, dense, k [L, N_max, R_max, H, K], v [L, N_max, R_max, HV, V],
+// g and beta [L, N_max, R_max, HV]; `what` names them.
+void check_stash_layout(const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                        const at::Tensor& beta, const char* what) {
   for (const at::Tensor* t : TensorRefs{&k, &v, &g, &beta}) {
     check_cuda(*t, what);
     check_dtype(*t, at::kFloat, what);
     check_dense(*t, what);
   }
-  TORCH_CHECK(k.dim() == 5 && k.size(3) == p.H && k.size(4) == K && v.dim() == 5 &&
-                  v.size(3) == p.HV && v.size(4) == p.V && g.dim() == 4 && g.size(3) == p.HV &&
-                  beta.sizes() == g.sizes(),
-              "deltaserve: ", what, " shapes do not match q/v");
+  TORCH_CHECK(k.dim() == 5 && v.dim() == 5 && g.dim() == 4 && beta.sizes() == g.sizes() &&
+                  g.size(3) == v.size(3),
+              "deltaserve: ", what, " must be k [L, N_max, R_max, H, K], v [L, N_max, R_max, HV, "
+              "V], g and beta [L, N_max, R_max, HV]");
   for (int d = 0; d < 3; ++d)
     TORCH_CHECK(v.size(d) == k.size(d) && g.size(d) == k.size(d), "deltaserve: ", what,
                 " k, v, g, beta must share [L, N_max, R_max]");
-  TORCH_CHECK(0 <= layer && layer < k.size(0) && p.N <= k.size(1) && p.R <= k.size(2),
-              "deltaserve: ", what, " too small for this verify");
 }
 
-// Verify's grid takes requests in z and key heads in y (at most 65,535 each).
-void check_verify_grid(const ds::gdn::RecurrentParams& p) {
-  TORCH_CHECK(p.N <= 65535, "deltaserve: gdn_verify takes at most 65,535 requests per call, got ",
-              p.N);
-  TORCH_CHECK(p.H <= 65535, "deltaserve: gdn_verify takes at most 65,535 key heads, got ", p.H);
+// The stash tensors of a verify, checked against q/v as well.
+void check_stash(const ds::gdn::RecurrentParams& p, int64_t K, const at::Tensor& k,
+                 const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, int64_t layer,
+                 const char* what) {
+  check_stash_layout(k, v, g, beta, what);
+  TORCH_CHECK(k.size(3) == p.H && k.size(4) == K && v.size(3) == p.HV && v.size(4) == p.V,
+              "deltaserve: ", what, " shapes do not match q/v");
+  TORCH_CHECK(0 <= layer && layer < k.size(0) && p.N <= k.size(1) && p.R <= k.size(2),
+              "deltaserve: ", what, " too small for this verify");
 }
 
 // Whether two dense tensors' bytes overlap.
@@ -111,6 +113,10 @@ bool overlaps(const at::Tensor& a, const at::Tensor& b) {
 at::Tensor verify_impl(ds::gdn::RecurrentParams& p, const at::Tensor& q, const at::Tensor& v,
                        const at::Tensor& stash_k, const at::Tensor& stash_v,
                        const at::Tensor& stash_g, const at::Tensor& stash_beta, int64_t layer) {
+  // the grid takes requests in z and key heads in y (at most 65,535 each)
+  TORCH_CHECK(p.N <= 65535, "deltaserve: gdn_verify takes at most 65,535 requests per call, got ",
+              p.N);
+  TORCH_CHECK(p.H <= 65535, "deltaserve: gdn_verify takes at most 65,535 key heads, got ", p.H);
   check_stash(p, q.size(-1), stash_k, stash_v, stash_g, stash_beta, layer, "stash");
   p.R_max = stash_k.size(2);
   p.stash_k = stash_k.data_ptr<float>() + layer * stash_k.stride(0);
@@ -133,7 +139,6 @@ at::Tensor gdn_verify(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       double scale, const at::Tensor& stash_k, const at::Tensor& stash_v,
                       const at::Tensor& stash_g, const at::Tensor& stash_beta, int64_t layer) {
   auto p = recurrent_params(q, k, v, a, b, A_log, dt_bias, state, slots, scale, true);
-  check_verify_grid(p);
   return verify_impl(p, q, v, stash_k, stash_v, stash_g, stash_beta, layer);
 }
 
@@ -150,7 +155,6 @@ at::Tensor gdn_replay_verify(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& pend_g, const at::Tensor& pend_beta,
                              const at::Tensor& pend_rows) {
   auto p = recurrent_params(q, k, v, a, b, A_log, dt_bias, state, slots, scale, true);
-  check_verify_grid(p);
   check_stash(p, q.size(-1), pend_k, pend_v, pend_g, pend_beta, layer, "pending stash");
   TORCH_CHECK(pend_k.sizes() == stash_k.sizes() && pend_v.sizes() == stash_v.sizes(),
               "deltaserve: the pending stash must have the stash's shapes");
@@ -176,11 +180,10 @@ at::Tensor gdn_replay_verify(const at::Tensor& q, const at::Tensor& k, const at:
 void gdn_replay(const at::Tensor& stash_k, const at::Tensor& stash_v, const at::Tensor& stash_g,
                 const at::Tensor& stash_beta, const at::Tensor& state, const at::Tensor& slots,
                 const at::Tensor& accepted) {
-  for (const at::Tensor* t : TensorRefs{&stash_k, &stash_v, &stash_g, &stash_beta, &state}) {
-    check_cuda(*t, "stash/state");
-    check_dtype(*t, at::kFloat, "stash/state");
-    check_dense(*t, "stash/state");
-  }
+  check_stash_layout(stash_k, stash_v, stash_g, stash_beta, "stash");
+  check_cuda(state, "state_pool");
+  check_dtype(state, at::kFloat, "state_pool");
+  check_dense(state, "state_pool");
   check_cuda(slots, "slots");
   check_cuda(accepted, "accepted");
   check_dtype(slots, at::kInt, "slots");
@@ -193,13 +196,6 @@ void gdn_replay(const at::Tensor& stash_k, const at::Tensor& stash_v, const at::
               "deltaserve: state_pool must be [L, S, HV, V, K] matching the stash");
   TORCH_CHECK(slots.numel() == accepted.numel() && slots.numel() <= stash_k.size(1),
               "deltaserve: slots/accepted must have N <= stash max_reqs entries");
-  TORCH_CHECK(stash_v.dim() == 5 && stash_g.dim() == 4 && stash_beta.sizes() == stash_g.sizes() &&
-                  stash_g.size(3) == state.size(2),
-              "deltaserve: stash v must be [L, N_max, R_max, HV, V], g and beta [L, N_max, "
-              "R_max, HV]");
-  for (int d = 0; d < 3; ++d)
-    TORCH_CHECK(stash_v.size(d) == stash_k.size(d) && stash_g.size(d) == stash_k.size(d),
-                "deltaserve: stash k, v, g, beta must share [L, N_max, R_max]");
   TORCH_CHECK(stash_k.size(3) > 0 && state.size(2) % stash_k.size(3) == 0,
               "deltaserve: HV must be a positive multiple of the stash's H");
   ds::gdn::ReplayParams p{};
