@@ -110,10 +110,14 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
     return kSmall ? (rt + u * kThreads) % VROWS : rt + (u % kCols) * kThreads;
   };
   const int span = nt * BR;
-  const int hvv = p.HV * p.V;       // one v row (HV * V < 2^31: the launch checks)
-  int v_off[kSlots];                // v_hv * V + v_row within a row; -1: past the span or V
+  const int hvv = p.HV * p.V;  // one v row (HV * V < 2^31: the launch checks)
+  // v_hv * V + v_row within a row, -1 past the span or V: per slot, or in a wide span per
+  // column (its slots u and u + kCols share one)
+  constexpr int kOffs = kSmall ? kSlots : kCols;
+  const auto off_of = [](int u) { return kSmall ? u : u % kCols; };
+  int v_off[kOffs];
 #pragma unroll
-  for (int u = 0; u < kSlots; ++u) {
+  for (int u = 0; u < kOffs; ++u) {
     const int c = slot_col(u);
     const WorkTile wt = WorkTile::of(p.tiles, w0 + c / BR);
     const int vr = wt.t * BR + c % BR;
@@ -123,12 +127,28 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
   // element that exists) and nothing loaded is converted before normalize_qk: predicated, or
   // converted where loaded, ptxas scheduled each load next to its use, and a verify block at
   // B=64 waited on about five global round trips in turn (ncu, session 12).
+  // A wide pass loads row i's slots i * kCols .. i * kCols + kCols - 1 through one row pointer
+  // (rows past rc: row 0, read but never used): per slot, the 64-bit row arithmetic took about
+  // 13 instructions (SASS, session 15). A small span's slot rows differ per thread, so they are
+  // formed per slot. The stash stores keep one expression per slot (ptxas folds it into a 64-bit
+  // chain anyway; a row pointer there made it spill in the multi-tile verify with 1 row per
+  // thread).
   const T* const v_req = static_cast<const T*>(p.v) + n * p.v_stride_n + c0 * p.v_stride_r;
+  float* const stash_req = p.stash_v + (int64_t(n) * p.R_max + c0) * hvv;
   const auto load_v = [&](int r0, T (&raw)[kSlots]) {
+    if constexpr (kSmall) {
 #pragma unroll
-    for (int u = 0; u < kSlots; ++u) {
-      const int r = r0 + slot_row(u);
-      raw[u] = r < rc && v_off[u] >= 0 ? v_req[r * p.v_stride_r + v_off[u]] : v_req[0];
+      for (int u = 0; u < kSlots; ++u) {
+        const int r = r0 + slot_row(u), off = v_off[u];
+        raw[u] = r < rc && off >= 0 ? v_req[r * p.v_stride_r + off] : v_req[0];
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPassRows; ++i) {
+        const T* const row = v_req + (r0 + i < rc ? r0 + i : 0) * p.v_stride_r;
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) raw[i * kCols + j] = row[v_off[j] >= 0 ? v_off[j] : 0];
+      }
     }
   };
   T v[kSlots];
@@ -163,11 +183,10 @@ DS_DEVICE void stage_span(const RecurrentParams& p, RowSmem<K, VROWS, CH, true, 
     if (r0 > 0) load_v(r0, v);
 #pragma unroll
     for (int u = 0; u < kSlots; ++u) {
-      const int r = r0 + slot_row(u), c = slot_col(u);
-      const float x = r < rc && v_off[u] >= 0 ? to_float(v[u]) : 0.f;
+      const int r = r0 + slot_row(u), c = slot_col(u), off = v_off[off_of(u)];
+      const float x = r < rc && off >= 0 ? to_float(v[u]) : 0.f;
       if (r < rc && c < span) sm.vrow(r, stride)[c] = x;  // zero past V: computes, never stored
-      if (r < rc && v_off[u] >= 0)
-        p.stash_v[(int64_t(n) * p.R_max + c0 + r) * hvv + v_off[u]] = x;
+      if (r < rc && off >= 0) stash_req[int64_t(r) * hvv + off] = x;
     }
   }
   for (int e = rt; e < ng; e += kThreads) {
@@ -298,11 +317,12 @@ DS_DEVICE void stage_pending(const RecurrentParams& p, RowSmem<K, VROWS, kChunk,
   for (int r0 = 0; r0 < rc; r0 += kPass) {
     float x[kPass][kCols];
 #pragma unroll
-    for (int u = 0; u < kPass; ++u)
+    for (int u = 0; u < kPass; ++u) {
+      const float* const row = p.pend_v + (first + r0 + u) * p.HV * p.V;  // once per row
 #pragma unroll
       for (int j = 0; j < kCols; ++j)
-        x[u][j] = r0 + u < rc && v_off[j] >= 0
-                      ? p.pend_v[(first + r0 + u) * p.HV * p.V + v_off[j]] : 0.f;
+        x[u][j] = r0 + u < rc && v_off[j] >= 0 ? row[v_off[j]] : 0.f;
+    }
 #pragma unroll
     for (int u = 0; u < kPass; ++u)
 #pragma unroll
