@@ -21,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GDN_OPS = ("gdn_decode", "gdn_verify", "gdn_replay_verify", "gdn_replay")
@@ -91,9 +92,13 @@ def main() -> None:
         configs = [(ref, args.ref, env), ("new", args.new, env)]
     ops = GDN_OPS + (CONV_OPS if args.conv else ())
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
-    for _ in range(args.rounds):
+    for k in range(args.rounds):
         for label, path, cfg_env in configs:
+            t0 = time.perf_counter()
             runs[label].append(run(path, batches, args.rows, cfg_env, args.conv))
+            # each run as it ends, so a call cut short by its time limit still reports
+            print(f"round {k + 1} {label} ({time.perf_counter() - t0:.0f} s): "
+                  + json.dumps(runs[label][-1]), flush=True)
     table = {label: {n: {op: statistics.median(r[n][op] for r in rs) for op in ops}
                      for n in batches} for label, rs in runs.items()}
     first = configs[0][0]
