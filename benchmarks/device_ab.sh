@@ -8,8 +8,9 @@
 #   (AB_CONFIGS: extra LABEL=PYTHON_DIR[,NAME=VALUE...] configurations, space-separated;
 #   TESTS_ARGS: what pytest -m gpu runs, default "tests/ops tests/model" (~70 s); e.g.
 #   "tests/ops/test_gdn_gpu.py -k verify" took 2 s in session 12's last call; all gpu tests but
-#   tests/server, whose uvicorn the device lacks, need over 250 s: session 14's calls stopped
-#   at the last one, the engine's folded-replay test)
+#   tests/server, whose uvicorn the device lacks, need over 250 s; the last of them, the
+#   engine's folded-replay test, alone took 85 s in session 15 (it passed), so give it its own
+#   call or TESTS_TIMEOUT; test_gdn_gpu.py alone took 27 s)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 shopt -s nullglob
