@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltaserve.ops import _checks as checks
 from deltaserve.ops import _ext
 from deltaserve.ops._exact import pointwise
 from deltaserve.ops._ext import (
@@ -43,12 +44,21 @@ def _kernel_ok(x, weight, bias, conv_state) -> bool:
             and vector_rows(x, 1, 16 // x.element_size()))
 
 
-def _check(weight: torch.Tensor, conv_state: torch.Tensor, d: int) -> None:
+def _check(x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
+           conv_state: torch.Tensor, slots: torch.Tensor) -> None:
+    """x [N, D] (rows 0) or [N, R, D] (rows 1) or [T, D] (prefill, slots checked there)."""
+    checks.floating("x", x)
+    if x.dim() != 2 + rows:
+        raise ValueError(f"x must have {2 + rows} dims, got shape {list(x.shape)}")
+    d = x.shape[-1]
     if weight.dim() != 2 or weight.shape[0] != d:
         raise ValueError(f"weight must be [D={d}, W], got {tuple(weight.shape)}")
+    if bias is not None:
+        checks.shape("bias", bias, (d,))
     if conv_state.dim() != 3 or conv_state.shape[1:] != (weight.shape[1] - 1, d):
         raise ValueError(f"conv_state must be [S, W-1={weight.shape[1] - 1}, D={d}], "
                          f"got {tuple(conv_state.shape)}")
+    checks.in_range("slots", slots, 0, conv_state.shape[0])
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -63,11 +73,24 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     track_offsets/track_slots [N] int32: the window after track_offsets[i] tokens of sequence i
     (0 <= offset <= length) is also written to conv_state[track_slots[i]]; track slot 0 means
     none. All windows are read before any is written. Returns y [T, D] in x's dtype.
-    Raises ValueError on mismatched shapes.
+    Raises ValueError on mismatched shapes, and on CPU on cu_seqlens that do not rise from 0 to
+    T or on slots / track offsets out of range (on CUDA those values are not read: no sync).
     """
-    _check(weight, conv_state, x.shape[-1])
+    _check(x, 0, weight, bias, conv_state, slots)
+    n = checks.index("slots", slots)
+    checks.seqlens(cu_seqlens, n, x.shape[0])
     if (track_offsets is None) != (track_slots is None):
         raise ValueError("track_offsets and track_slots go together")
+    if track_slots is not None:
+        checks.index("track_offsets", track_offsets, n)
+        checks.index("track_slots", track_slots, n)
+        checks.in_range("track_slots", track_slots, 0, conv_state.shape[0])
+        if not track_offsets.is_cuda:
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(track_offsets.dtype)
+            bad = (track_slots != 0) & ((track_offsets < 0) | (track_offsets > lengths))
+            if bool(bad.any()):
+                raise ValueError("track_offsets must lie in 0..length of their sequence, got "
+                                 f"{track_offsets.tolist()} for lengths {lengths.tolist()}")
     if _kernel_ok(x, weight, bias, conv_state):
         return _ext.ops().causal_conv1d_prefill(
             x, weight, bias, conv_state, cu_seqlens, slots, track_offsets, track_slots)
@@ -103,8 +126,10 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
     x [N, D], weight [D, W], bias [D] or None, conv_state [S, W-1, D], slots [N] int32.
     Repeated slots (padding slot 0) are allowed; their window ends up holding one of the rows.
+    Raises ValueError on mismatched shapes (and on CPU on slots outside [0, S)).
     """
-    _check(weight, conv_state, x.shape[-1])
+    _check(x, 0, weight, bias, conv_state, slots)
+    checks.index("slots", slots, x.shape[0])
     if _kernel_ok(x, weight, bias, conv_state):
         return _ext.ops().causal_conv1d_update(x, weight, bias, conv_state, slots)
     return conv1d_update_ref(x, weight, bias, conv_state, slots)
@@ -125,9 +150,11 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
     x [N, R, D], weight [D, W], bias [D] or None, conv_state [S, W-1, D], slots [N] int32.
     Returns y [N, R, D] (x's dtype); row r equals what r+1 causal_conv1d_update steps yield.
-    Advance the windows afterwards with `causal_conv1d_commit`.
+    Advance the windows afterwards with `causal_conv1d_commit`. Raises ValueError on
+    mismatched shapes (and on CPU on slots outside [0, S)).
     """
-    _check(weight, conv_state, x.shape[-1])
+    _check(x, 1, weight, bias, conv_state, slots)
+    checks.index("slots", slots, x.shape[0])
     if _kernel_ok(x, weight, bias, conv_state):
         return _ext.ops().causal_conv1d_verify(x, weight, bias, conv_state, slots)
     return conv1d_verify_ref(x, weight, bias, conv_state, slots)
@@ -145,9 +172,15 @@ def causal_conv1d_commit(x: torch.Tensor, conv_state: torch.Tensor, slots: torch
 
     x [N, R, D] (the verify inputs), conv_state [S, W-1, D], slots [N] int32,
     accepted [N] int32 in 0..R. Equal to accepted[i] causal_conv1d_update steps on the window.
+    Raises ValueError on mismatched shapes (and on CPU on slots outside [0, S)).
     """
+    if x.dim() != 3:
+        raise ValueError(f"x must be [N, R, D], got shape {list(x.shape)}")
     if conv_state.dim() != 3 or conv_state.shape[2] != x.shape[-1]:
         raise ValueError(f"conv_state must be [S, W-1, D={x.shape[-1]}]")
+    checks.index("slots", slots, x.shape[0])
+    checks.index("accepted", accepted, x.shape[0])
+    checks.in_range("slots", slots, 0, conv_state.shape[0])
     if _kernel_ok(x, None, None, conv_state):
         _ext.ops().causal_conv1d_commit(x, conv_state, slots, accepted)
         return

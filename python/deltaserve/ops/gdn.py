@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from deltaserve.ops import _checks as checks
 from deltaserve.ops import _ext
 from deltaserve.ops._exact import pointwise
 from deltaserve.ops._ext import (
@@ -91,6 +92,28 @@ def _check_state(state: torch.Tensor, v: torch.Tensor, k: torch.Tensor) -> None:
                          f"got {state.dtype} {tuple(state.shape)}")
 
 
+def _check_rows(q, k, v, a, b, A_log, dt_bias, state, slots, lead: int) -> None:
+    """Shapes of a decode (lead 1: [N, ...]) or verify (lead 2: [N, R, ...]) call, and on CPU
+    the slot range; then the state (fp32 [S, HV, V, K])."""
+    if v.dim() != lead + 2:
+        want = "[N, HV, V]" if lead == 1 else "[N, R, HV, V]"
+        raise ValueError(f"v must be {want}, got shape {list(v.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.floating(name, t)
+    rows, hv = tuple(v.shape[:lead]), v.shape[lead]
+    checks.shape("q", q, (*rows, None, None))
+    checks.shape("k", k, tuple(q.shape))
+    checks.shape("a", a, (*rows, hv))
+    checks.shape("b", b, (*rows, hv))
+    checks.shape("A_log", A_log, (hv,))
+    checks.shape("dt_bias", dt_bias, (hv,))
+    if state.dim() != 4:
+        raise ValueError(f"state must be [S, HV, V, K] (one layer), got {list(state.shape)}")
+    _check_state(state, v, k)
+    checks.index("slots", slots, rows[0])
+    checks.in_range("slots", slots, 0, state.shape[0])
+
+
 def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                state: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
@@ -99,9 +122,10 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
     q, k [N, H, K], v [N, HV, V] (bf16/fp16/fp32), a, b [N, HV], A_log, dt_bias [HV],
     state [S, HV, V, K] fp32 (one layer of the pool), slots [N] int32, scale = K^-1/2.
     Returns o [N, HV, V] in v's dtype. Requests sharing a slot (padding slot 0) race; their
-    outputs are unspecified. Raises ValueError on a bad state shape/dtype or HV % H != 0.
+    outputs are unspecified. Raises ValueError on mismatched shapes, a bad state shape/dtype,
+    HV % H != 0, or (on CPU) slots outside [0, S).
     """
-    _check_state(state, v, k)
+    _check_rows(q, k, v, a, b, A_log, dt_bias, state, slots, 1)
     if _kernel_ok(q, k, v, a, b, state):
         return _ext.ops().gdn_decode(q, k, v, a, b, A_log.float(), dt_bias.float(), state,
                                      slots, scale)
@@ -171,10 +195,11 @@ def gdn_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
     stash's shapes) to request i's state, in place, as `gdn_replay` would for this layer; then
     verify from that state.
     On CUDA both happen in one launch (the state is read once and written once); bitwise equal
-    to gdn_replay followed by gdn_verify. Raises ValueError when R < 1, when the stash is too
-    small or when `prev` does not match it.
+    to gdn_replay followed by gdn_verify. Raises ValueError on mismatched shapes, when R < 1,
+    when the stash is too small or when `prev` does not match it (and on CPU on slots outside
+    [0, S)).
     """
-    _check_state(state, v, k)
+    _check_rows(q, k, v, a, b, A_log, dt_bias, state, slots, 2)
     n, r = v.shape[0], v.shape[1]
     if r < 1:
         raise ValueError(f"gdn_verify needs R >= 1 rows per request, got v of shape "
@@ -231,15 +256,18 @@ def gdn_replay(stash: GDNStash, state_pool: torch.Tensor, slots: torch.Tensor,
     stash written by gdn_verify for all L layers, state_pool [L, S, HV, V, K] fp32,
     slots [N] int32 (the verify batch's slots, same order), accepted [N] int32 in 0..R.
     Bitwise equal to accepted[i] gdn_decode steps on the same inputs. In place; one launch
-    on CUDA. Raises ValueError on a pool/stash mismatch.
+    on CUDA. Raises ValueError on a pool/stash mismatch, on accepted not matching slots, or
+    (on CPU) on slots outside [0, S).
     """
-    n = slots.shape[0]
+    n = checks.index("slots", slots)
+    checks.index("accepted", accepted, n)
     if state_pool.dim() != 5 or state_pool.shape[0] != stash.num_layers:
         raise ValueError(f"state_pool must be [L={stash.num_layers}, S, HV, V, K], "
                          f"got {tuple(state_pool.shape)}")
     _check_state(state_pool, stash.v, stash.k)
     if n > stash.max_reqs:
         raise ValueError(f"N={n} exceeds the stash's {stash.max_reqs} requests")
+    checks.in_range("slots", slots, 0, state_pool.shape[1])
     if _ext.use_extension(state_pool, stash.k) and state_pool.shape[-1] in KERNEL_HEAD_DIMS:
         _ext.ops().gdn_replay(stash.k, stash.v, stash.g, stash.beta, state_pool, slots,
                               accepted)
@@ -278,9 +306,20 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     Returns (o [T, HV, V] in v's dtype, final_state [N, HV, V, K] fp32).
     CUDA: fla-core `chunk_gated_delta_rule` (state_v_first=True keeps our [V, K] layout);
     elsewhere `chunk_gated_delta_ref` (chunk 64, the math of transformers'
-    `torch_chunk_gated_delta_rule`, in our layout).
+    `torch_chunk_gated_delta_rule`, in our layout). Raises ValueError on mismatched shapes,
+    and on CPU on cu_seqlens that do not rise from 0 to T.
     """
+    if v.dim() != 3:
+        raise ValueError(f"v must be [T, HV, V], got shape {list(v.shape)}")
+    t, hv = v.shape[0], v.shape[1]
+    checks.shape("q", q, (t, None, None))
+    checks.shape("k", k, tuple(q.shape))
+    checks.shape("g", g, (t, hv))
+    checks.shape("beta", beta, (t, hv))
+    if initial_state.dim() != 4:
+        raise ValueError(f"initial_state must be [N, HV, V, K], got {list(initial_state.shape)}")
     _check_state(initial_state, v, k)
+    checks.seqlens(cu_seqlens, initial_state.shape[0], t)
     if q.is_cuda:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 

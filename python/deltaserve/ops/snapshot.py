@@ -33,7 +33,7 @@ def snapshot_copy(src: Pools, src_slots: torch.Tensor | Sequence[int], dst: Pool
     Device->device copies run as one copy kernel per 64 slots in no fixed order, so a
     destination slot listed twice, or (within one pool) a slot both read and written, is
     refused on every path. Raises ValueError on mismatched shapes/dtypes, device slot tensors,
-    unequal M or such overlap.
+    unequal M, slots outside [0, S) or such overlap.
     """
     s_list, d_list = _slot_list(src_slots), _slot_list(dst_slots)
     if len(s_list) != len(d_list):
@@ -44,6 +44,10 @@ def snapshot_copy(src: Pools, src_slots: torch.Tensor | Sequence[int], dst: Pool
                              f"{b.dtype} {tuple(b.shape)}")
     if not s_list:
         return
+    for name, slot_ids, pool in (("source", s_list, src[0]), ("destination", d_list, dst[0])):
+        if min(slot_ids) < 0 or max(slot_ids) >= pool.shape[1]:
+            raise ValueError(f"snapshot_copy: {name} slots must lie in [0, {pool.shape[1]}), "
+                             f"got {slot_ids}")
     if len(set(d_list)) != len(d_list):
         raise ValueError("snapshot_copy: a destination slot is listed twice")
     if src[0].data_ptr() == dst[0].data_ptr() and set(s_list) & set(d_list):
