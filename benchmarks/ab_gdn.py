@@ -47,7 +47,8 @@ def run(python_dir: str, batches: list[int], rows: int, env: dict[str, str],
         conv: bool = False) -> dict:
     """µs per op and batch from one process importing deltaserve from `python_dir`.
 
-    Raises subprocess.CalledProcessError when the child fails (say, an unbuilt tree)."""
+    Exits (SystemExit) with the child's last stderr lines when it fails (say, no CUDA device or
+    an unbuilt tree)."""
     ops = GDN_OPS + (CONV_OPS if conv else ())
     code = CHILD.format(bench=os.path.join(ROOT, "benchmarks"), path=python_dir, batches=batches,
                         rows=rows, conv=conv, ops=ops)
@@ -55,7 +56,10 @@ def run(python_dir: str, batches: list[int], rows: int, env: dict[str, str],
     child_env["PYTHONPATH"] = os.pathsep.join(
         [python_dir] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     done = subprocess.run([sys.executable, "-c", code], env=child_env, capture_output=True,
-                          text=True, check=True)
+                          text=True)
+    if done.returncode != 0:  # say why (no GPU, an unbuilt tree, a missing build/ab/ref)
+        tail = "\n".join(done.stderr.strip().splitlines()[-12:])
+        raise SystemExit(f"ab_gdn: timing {python_dir} failed (exit {done.returncode}):\n{tail}")
     return {int(n): v for n, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
