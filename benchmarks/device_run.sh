@@ -2,7 +2,7 @@
 # One device-machine session (10-minute command limit): build the extension for sm_90, run the
 # gpu tests of the runtime, then the benchmarks, then the kernel/model gpu tests; logs and JSON
 # go to $OUT. Every step has its own timeout so the call ends inside the limit and returns what
-# it has. The device has no PyPI: fla-core travels as a wheel in .whl/ (BUILD.md), the corpus
+# it has. The device has no PyPI: fla-core travels as a wheel in .whl/ (device_env.sh), the corpus
 # (for the held-out speculation workload) as build/corpus.
 #   STEPS="tests e2e spec prefix rest"  (default: all; KERNELS=1 adds bench_kernels)
 # All steps do not fit one 10-minute call on a fresh machine (Triton JIT of fla-core and the
