@@ -90,6 +90,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -124,7 +126,7 @@ class SamplingParams:
              "characters"),
             (lambda: isinstance(self.stop_token_ids, list)
              and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-             "stop_token_ids must be non-negative integers"),
+             "stop_token_ids must be a list of non-negative integers"),
             (lambda: isinstance(self.ignore_eos, bool), "ignore_eos must be true or false"),
         ]
         for ok, message in checks:

@@ -54,6 +54,10 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+                isinstance(sp, SamplingParams) for sp in sampling_params):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}")
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams or one per prompt")
         id_lists = [self._encode(p) for p in prompts]
@@ -89,6 +93,9 @@ class LLM:
             if self.engine.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token id lists")
             return self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+        if not isinstance(prompt, (list, tuple)):  # the engine checks the ids themselves
+            raise ValueError("a prompt must be a string or a list of token ids, got "
+                             f"{type(prompt).__name__}")
         return list(prompt)
 
 

@@ -64,3 +64,23 @@ def test_booleans_are_not_prompt_token_ids(llm):
     with pytest.raises(ValueError, match="prompt token ids must be integers"):
         llm.generate([[True, False]], SamplingParams(max_tokens=2))
     assert_drained(llm.engine)
+
+
+@pytest.mark.parametrize(("prompts", "params", "message"), [
+    (PROMPTS[:1], {"max_tokens": 4}, "sampling_params must be a SamplingParams"),
+    ([None], None, "a prompt must be a string or a list of token ids, got NoneType"),
+    ([3.5], None, "a prompt must be a string or a list of token ids, got float"),
+])
+def test_bad_generate_arguments_raise_value_errors_and_queue_nothing(llm, prompts, params,
+                                                                     message):
+    # a fresh user's findings: an AttributeError and a TypeError from deep inside generate()
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, params)
+    assert not llm.engine.has_unfinished()
+    assert_drained(llm.engine)
+
+
+def test_stop_token_ids_as_a_tuple_are_taken_as_a_list():
+    assert SamplingParams(stop_token_ids=(1, 2)).stop_token_ids == [1, 2]
+    with pytest.raises(ValueError, match="stop_token_ids must be a list of non-negative"):
+        SamplingParams(stop_token_ids=[1, -2]).validate()

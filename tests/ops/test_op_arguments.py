@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ops_helpers import gdn_inputs, random_state
 
 from deltaserve import ops
 from deltaserve.ops.gdn import GDNStash
-from ops_helpers import gdn_inputs, random_state
 
 I32 = dict(dtype=torch.int32)
 
