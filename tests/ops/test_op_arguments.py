@@ -87,6 +87,11 @@ def test_gdn_decode_and_verify_name_mismatched_heads_and_shapes():
         ops.gdn_decode(q, k, v, a[:, :2], b, A_log, dt_bias, pool, slots, 0.1)
     with pytest.raises(ValueError, match=r"slots must lie in \[0, 3\)"):
         ops.gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, torch.tensor([1, 3], **I32), 0.1)
+    with pytest.raises(ValueError, match="slots must be int32"):  # dtype before values
+        ops.gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, torch.tensor([1.0, 9.0]), 0.1)
+    q3, k3 = torch.randn(2, 3, 32), torch.randn(2, 3, 32)
+    with pytest.raises(ValueError, match="HV=4 must be a multiple of H=3"):
+        ops.gdn_decode(q3, k3, v, a, b, A_log, dt_bias, pool, slots, 0.1)
     stash = GDNStash.allocate(1, 2, 4, 2, 4, 32, 32, "cpu")
     # decode-shaped inputs to verify: named as such, not as a stash too small
     with pytest.raises(ValueError, match=r"v must be \[N, R, HV, V\]"):

@@ -43,6 +43,13 @@ def in_range(name: str, t: torch.Tensor, lo: int, hi: int) -> None:
         raise ValueError(f"{name} must lie in [{lo}, {hi}), got values from {low} to {high}")
 
 
+def slots(t: torch.Tensor, n: int | None, num_slots: int, name: str = "slots") -> int:
+    """index(t, n), and on CPU every slot id in [0, num_slots); returns the count."""
+    count = index(name, t, n)
+    in_range(name, t, 0, num_slots)
+    return count
+
+
 def seqlens(cu_seqlens: torch.Tensor, n: int, total: int) -> None:
     """cu_seqlens must be an int vector [n+1]; on CPU also 0, non-decreasing, ending at `total`
     (the packed tokens: rows past the end would be left unwritten)."""

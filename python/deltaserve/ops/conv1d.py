@@ -45,8 +45,9 @@ def _kernel_ok(x, weight, bias, conv_state) -> bool:
 
 
 def _check(x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
-           conv_state: torch.Tensor, slots: torch.Tensor) -> None:
-    """x [N, D] (rows 0) or [N, R, D] (rows 1) or [T, D] (prefill, slots checked there)."""
+           conv_state: torch.Tensor, slots: torch.Tensor, n: int | None) -> int:
+    """x [., D] (rows 0: update, prefill) or [N, R, D] (rows 1: verify), weight, bias,
+    conv_state, and slots [n] (n None: any count, prefill) in range; returns the count."""
     checks.floating("x", x)
     if x.dim() != 2 + rows:
         raise ValueError(f"x must have {2 + rows} dims, got shape {list(x.shape)}")
@@ -58,7 +59,7 @@ def _check(x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor 
     if conv_state.dim() != 3 or conv_state.shape[1:] != (weight.shape[1] - 1, d):
         raise ValueError(f"conv_state must be [S, W-1={weight.shape[1] - 1}, D={d}], "
                          f"got {tuple(conv_state.shape)}")
-    checks.in_range("slots", slots, 0, conv_state.shape[0])
+    return checks.slots(slots, n, conv_state.shape[0])
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -76,15 +77,13 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     Raises ValueError on mismatched shapes, and on CPU on cu_seqlens that do not rise from 0 to
     T or on slots / track offsets out of range (on CUDA those values are not read: no sync).
     """
-    _check(x, 0, weight, bias, conv_state, slots)
-    n = checks.index("slots", slots)
+    n = _check(x, 0, weight, bias, conv_state, slots, None)
     checks.seqlens(cu_seqlens, n, x.shape[0])
     if (track_offsets is None) != (track_slots is None):
         raise ValueError("track_offsets and track_slots go together")
     if track_slots is not None:
         checks.index("track_offsets", track_offsets, n)
-        checks.index("track_slots", track_slots, n)
-        checks.in_range("track_slots", track_slots, 0, conv_state.shape[0])
+        checks.slots(track_slots, n, conv_state.shape[0], "track_slots")
         if not track_offsets.is_cuda:
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(track_offsets.dtype)
             bad = (track_slots != 0) & ((track_offsets < 0) | (track_offsets > lengths))
@@ -128,8 +127,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     Repeated slots (padding slot 0) are allowed; their window ends up holding one of the rows.
     Raises ValueError on mismatched shapes (and on CPU on slots outside [0, S)).
     """
-    _check(x, 0, weight, bias, conv_state, slots)
-    checks.index("slots", slots, x.shape[0])
+    _check(x, 0, weight, bias, conv_state, slots, x.shape[0])
     if _kernel_ok(x, weight, bias, conv_state):
         return _ext.ops().causal_conv1d_update(x, weight, bias, conv_state, slots)
     return conv1d_update_ref(x, weight, bias, conv_state, slots)
@@ -153,8 +151,7 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     Advance the windows afterwards with `causal_conv1d_commit`. Raises ValueError on
     mismatched shapes (and on CPU on slots outside [0, S)).
     """
-    _check(x, 1, weight, bias, conv_state, slots)
-    checks.index("slots", slots, x.shape[0])
+    _check(x, 1, weight, bias, conv_state, slots, x.shape[0])
     if _kernel_ok(x, weight, bias, conv_state):
         return _ext.ops().causal_conv1d_verify(x, weight, bias, conv_state, slots)
     return conv1d_verify_ref(x, weight, bias, conv_state, slots)
@@ -178,9 +175,8 @@ def causal_conv1d_commit(x: torch.Tensor, conv_state: torch.Tensor, slots: torch
         raise ValueError(f"x must be [N, R, D], got shape {list(x.shape)}")
     if conv_state.dim() != 3 or conv_state.shape[2] != x.shape[-1]:
         raise ValueError(f"conv_state must be [S, W-1, D={x.shape[-1]}]")
-    checks.index("slots", slots, x.shape[0])
+    checks.slots(slots, x.shape[0], conv_state.shape[0])
     checks.index("accepted", accepted, x.shape[0])
-    checks.in_range("slots", slots, 0, conv_state.shape[0])
     if _kernel_ok(x, None, None, conv_state):
         _ext.ops().causal_conv1d_commit(x, conv_state, slots, accepted)
         return

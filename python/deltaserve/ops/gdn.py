@@ -103,6 +103,8 @@ def _check_rows(q, k, v, a, b, A_log, dt_bias, state, slots, lead: int) -> None:
     rows, hv = tuple(v.shape[:lead]), v.shape[lead]
     checks.shape("q", q, (*rows, None, None))
     checks.shape("k", k, tuple(q.shape))
+    if hv % q.shape[-2]:  # the reference's _heads says so too; this covers the kernel path
+        raise ValueError(f"HV={hv} must be a multiple of H={q.shape[-2]}")
     checks.shape("a", a, (*rows, hv))
     checks.shape("b", b, (*rows, hv))
     checks.shape("A_log", A_log, (hv,))
@@ -110,8 +112,7 @@ def _check_rows(q, k, v, a, b, A_log, dt_bias, state, slots, lead: int) -> None:
     if state.dim() != 4:
         raise ValueError(f"state must be [S, HV, V, K] (one layer), got {list(state.shape)}")
     _check_state(state, v, k)
-    checks.index("slots", slots, rows[0])
-    checks.in_range("slots", slots, 0, state.shape[0])
+    checks.slots(slots, rows[0], state.shape[0])
 
 
 def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
