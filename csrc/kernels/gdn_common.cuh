@@ -367,8 +367,9 @@ DS_DEVICE void update_rows(const RowSmem<K, VROWS, CH, false, TILES>& sm,
 // Measured on the H200 (benchmarks/RESULTS.md, Qwen3-Next shapes, loads-first staging):
 // decode and verify are best with 1 at B=1 (more, smaller blocks spread the state over all
 // SMs) and with 2 from B=8 on; replay (all layers in one launch) with 2 from B=1. 4 rows per
-// thread needs ~166 registers in verify (3 blocks per SM), spills 44 B in decode under its
-// 4-block cap, and lost at every batch size (decode at B=8 again in session 7). Never changes
+// thread needs ~166 registers in verify (3 blocks per SM) and spills 44 B in decode under its
+// 4-block cap; it lost in decode at every batch size (B=8 again in session 7) and in verify up
+// to B=64, and wins in verify from B=96 (pick_verify_rows, gdn_recurrent.cuh). Never changes
 // results. DS_GDN_ROWS=1|2|4 in the environment forces a value (tuning runs).
 template <int K>
 inline int pick_rows(int64_t heads, int V, bool one_launch_per_layer = true) {

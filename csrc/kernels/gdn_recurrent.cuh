@@ -673,13 +673,34 @@ inline ds_error_t launch_rows(RecurrentParams p, ds_stream_t stream) {
   }
 }
 
+// Rows per thread for gdn_verify: pick_rows', except 4 for a verify without pending rows at
+// K = 128 whose state holds at least kVerifyRows4PerSm value rows per SM. 4 rows per thread
+// issue fewer instructions per state element (each staged k and q read from shared memory
+// serves 4 rows, and the 8 dots of a step fill scatter_sum's 8 lanes) at 3 blocks per SM
+// instead of 4. H200, Qwen3-Next shapes, R = 4 (session 16, RESULTS.md, two machines): 4 rows
+// 10% slower at B=64 (1,986 rows per SM: its 512 blocks fill one wave at 4 per SM, 1.3 at 3),
+// 9-14% faster at B=96 (2,979), 0-7% at B=128, 5-6% at B=256 and 7-9% at B=512. The verify
+// with pending rows gained nothing (0.99-1.02x from B=96) and keeps 2; other K were not
+// measured.
+constexpr int64_t kVerifyRows4PerSm = 2560;
+template <int K>
+inline int pick_verify_rows(const RecurrentParams& p) {
+  const int rows = pick_rows<K>(int64_t(p.HV) * p.N, p.V);
+  if (std::getenv("DS_GDN_ROWS") != nullptr || rows != 2 || K != 128 ||
+      p.pend_rows != nullptr || p.R > kChunk)
+    return rows;
+  int sms = 0;
+  if (multiprocessor_count(&sms) != DS_SUCCESS || sms <= 0) return rows;
+  return int64_t(p.N) * p.HV * p.V >= kVerifyRows4PerSm * sms ? 4 : rows;
+}
+
 template <typename T, int K, bool VERIFY>
 inline ds_error_t launch_recurrent(const RecurrentParams& p, ds_stream_t stream) {
   if (p.H <= 0 || p.HV % p.H != 0) return DS_ERROR_INVALID_VALUE;
   if (p.N <= 0 || p.V <= 0 || p.HV <= 0) return DS_SUCCESS;  // nothing to compute
   if (VERIFY && (p.N > 65535 || p.H > 65535)) return DS_ERROR_INVALID_VALUE;  // grid y/z
   if (int64_t(p.HV) * p.V > 0x7fffffffLL) return DS_ERROR_INVALID_VALUE;  // run_rows' int stride
-  switch (pick_rows<K>(int64_t(p.HV) * p.N, p.V)) {
+  switch (VERIFY ? pick_verify_rows<K>(p) : pick_rows<K>(int64_t(p.HV) * p.N, p.V)) {
     case 4: return launch_rows<T, K, 4, VERIFY>(p, stream);
     case 2: return launch_rows<T, K, 2, VERIFY>(p, stream);
     default: return launch_rows<T, K, 1, VERIFY>(p, stream);

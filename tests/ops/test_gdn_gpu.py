@@ -165,10 +165,16 @@ def test_verify_rows_equal_stepwise_decode_outputs_bitwise(kd, h, hv, rows, dtyp
 
 
 # Qwen3-Next shapes: 4 and 8 row tiles per verify block at n = 32 and 64; at 64 with R = 4 a
-# block spans two key heads (16 tiles)
-@pytest.mark.parametrize("n", [32, 64])
-@pytest.mark.parametrize("rows", [4, 9])  # 9: q, k restaged for every tile and chunk
-def test_verify_blocks_over_several_tiles_equal_stepwise_decode_and_replay(n, rows):
+# block spans two key heads (16 tiles); at 96 with R = 4 verify takes 4 rows per thread on an
+# H200 (pick_verify_rows), and "4" forces them (and in decode and replay) at every size.
+@pytest.mark.parametrize("n,rows,rows_per_thread", [
+    (32, 4, None), (32, 9, None), (64, 4, None), (64, 9, None), (96, 4, None),
+    (32, 4, "4"), (64, 4, "4"), (64, 9, "4")])  # 9: q, k restaged for every tile and chunk
+def test_verify_blocks_over_several_tiles_equal_stepwise_decode_and_replay(n, rows,
+                                                                           rows_per_thread,
+                                                                           monkeypatch):
+    if rows_per_thread is not None:
+        monkeypatch.setenv("DS_GDN_ROWS", rows_per_thread)
     h, hv, kd = 16, 32, 128
     ins = [gdn_inputs(n, rows, h, hv, kd, kd, seed=20 + rows, dtype=torch.bfloat16, device=DEV)]
     pool = random_state(n + 1, hv, kd, kd, seed=21, device=DEV)
@@ -279,9 +285,14 @@ def test_prefill_on_cuda_matches_the_chunked_reference_in_our_state_layout():
                                             (128, 16, 32, 2, 4),
                                             (64, 2, 4, 5, 8), (256, 1, 2, 3, 3),
                                             (32, 4, 8, 40, 2), (128, 2, 8, 300, 1)])
-def test_verify_with_pending_rows_equals_replay_then_verify_bitwise(kd, h, hv, n, rows):
+@pytest.mark.parametrize("rows_per_thread", [None, "4"])
+def test_verify_with_pending_rows_equals_replay_then_verify_bitwise(kd, h, hv, n, rows,
+                                                                   rows_per_thread, monkeypatch):
     """gdn_replay_verify (one launch) == gdn_replay of that layer, then gdn_verify: the same
-    outputs, stash and state bits, for one-tile and multi-tile blocks."""
+    outputs, stash and state bits, for one-tile and multi-tile blocks (and with 4 rows per
+    thread forced, which no default launch takes with pending rows)."""
+    if rows_per_thread is not None:
+        monkeypatch.setenv("DS_GDN_ROWS", rows_per_thread)
     layers = 2
     first = [gdn_inputs(n, rows, h, hv, kd, kd, seed=40 + i, dtype=torch.bfloat16, device=DEV)
              for i in range(layers)]
