@@ -66,6 +66,8 @@ def test_a_request_too_long_for_the_pool_is_refused_naming_the_verify_rows_it_ne
         engine.add_request([5], over)
     says = str(e.value)
     assert "needs 8 KV pages of 16 tokens" in says and "the pool has 7" in says
+    # the first word is the request field the server names as the error's param
+    assert says.startswith(f"max_tokens {112 - rows} does not fit the KV pool")
     assert (f"+ {rows} speculative verify rows" in says) == bool(rows)
 
 

@@ -56,6 +56,7 @@ class Scheduler:
                                       enabled=cfg.enable_prefix_cache)
         self.hit_tokens = 0
         self.prompt_tokens = 0
+        self._prefill_turn = False  # the last batch was a prefill batch
 
     # ---- sizing -------------------------------------------------------------------------
     def pages_for(self, n_tokens: int) -> int:
@@ -74,8 +75,9 @@ class Scheduler:
         usable = self.page_pool.num_pages - 1
         if self.pages_needed(req) > usable:
             rows = (f" + {self.extra_rows} speculative verify rows" if self.extra_rows else "")
-            raise ValueError(
-                f"request needs {self.pages_needed(req)} KV pages of {self.page_size} tokens "
+            raise ValueError(  # first word: the request field to blame (the server's param)
+                f"max_tokens {req.params.max_tokens} does not fit the KV pool: the request "
+                f"needs {self.pages_needed(req)} KV pages of {self.page_size} tokens "
                 f"(prompt {req.prompt_len} + max_tokens {req.params.max_tokens}{rows}) but the "
                 f"pool has {usable}; lower max_tokens or raise --num-pages / --kv-memory-gb")
 
@@ -167,9 +169,12 @@ class Scheduler:
 
     # ---- batches ------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
-        """Admit what fits, then return a prefill batch if any prompt is unfinished, else a
-        decode batch of every running request (a verify batch of k+1 rows per request when
+        """Admit what fits, then return a prefill batch of the unfinished prompts or a decode
+        batch of every request past its prompt (a verify batch of k+1 rows per request when
         decode_rows_per_req > 1; each request widened by k pending rows); None when idle.
+        While both kinds run they take turns, so a long prompt read in chunk by chunk delays
+        the decoding requests' next token by one prefill batch, not by the whole prompt (a
+        32k-token prompt stalled every stream for 26 s on CPU when prefill always came first).
         Raises RuntimeError when requests wait and none runs after admission (nothing would
         ever free memory for them: a bug, reported instead of spinning for ever)."""
         self._admit()
@@ -179,7 +184,9 @@ class Scheduler:
                 f"{self.page_pool.num_free} + evictable {self.cache.evictable_pages()}, slots "
                 f"free {self.state_pool.num_free} + evictable {self.cache.evictable_slots()}")
         prefill = [r for r in self.running if r.in_prefill]
-        if prefill:
+        decoding = [r for r in self.running if not r.in_prefill]
+        if prefill and not (decoding and self._prefill_turn):
+            self._prefill_turn = True
             reqs, lens, budget = [], [], self.cfg.max_num_batched_tokens
             for req in prefill:
                 if budget <= 0:
@@ -191,15 +198,16 @@ class Scheduler:
                 lens.append(n)
                 budget -= n
             return Batch(Phase.PREFILL, reqs, lens)
-        if not self.running:
+        self._prefill_turn = False
+        if not decoding:
             return None
         rows = self.cfg.decode_rows_per_req
-        for req in self.running:
+        for req in decoding:
             self._ensure_pages(req, req.device_len + rows)
             if rows > 1:
                 req.widen_pending(rows - 1)
         phase = Phase.VERIFY if rows > 1 else Phase.DECODE
-        return Batch(phase, list(self.running), [rows] * len(self.running), rows_per_req=rows)
+        return Batch(phase, decoding, [rows] * len(decoding), rows_per_req=rows)
 
     # ---- results ------------------------------------------------------------------------
     def process(self, batch: Batch, sampled: dict[int, list[int]],
