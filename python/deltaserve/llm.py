@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 
 from deltaserve.config import EngineConfig
@@ -45,9 +46,14 @@ class LLM:
         """Generate for every prompt (text, or token id lists); outputs in prompt order.
 
         Raises ValueError for a bad prompt or bad sampling parameters before anything runs.
-        If a step fails, this call's requests are aborted (their pages and slots freed) and the
-        error is raised; the LLM stays usable.
+        A max_tokens past the context length is not an error (the request stops there, with
+        finish_reason "length", as in vLLM's LLM; the server refuses it): a UserWarning says
+        so. If a step fails, this call's requests are aborted (their pages and slots freed)
+        and the error is raised; the LLM stays usable.
         """
+        if not isinstance(prompts, (str, list, tuple)):
+            raise ValueError("prompts must be a string, a list of token ids, or a list of "
+                             f"strings or token id lists, got {type(prompts).__name__}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -69,6 +75,11 @@ class LLM:
             for rid in rids:
                 self.engine.abort(rid)
             raise
+        limit = self.engine.max_model_len
+        cut = sum(len(ids) + sp.max_tokens > limit for ids, sp in zip(id_lists, sampling_params))
+        if cut:
+            warnings.warn(f"max_tokens does not fit the context length {limit} for {cut} "
+                          "prompt(s): they stop at the context length", stacklevel=2)
         results: dict[int, CompletionOutput] = {
             rid: CompletionOutput(ids, [], "", None, 0) for rid, ids in zip(rids, id_lists)}
         try:

@@ -70,6 +70,8 @@ def test_booleans_are_not_prompt_token_ids(llm):
     (PROMPTS[:1], {"max_tokens": 4}, "sampling_params must be a SamplingParams"),
     ([None], None, "a prompt must be a string or a list of token ids, got NoneType"),
     ([3.5], None, "a prompt must be a string or a list of token ids, got float"),
+    (5, None, "prompts must be a string, a list of token ids, or a list of strings"),
+    ((p for p in ["a"]), None, "got generator"),
 ])
 def test_bad_generate_arguments_raise_value_errors_and_queue_nothing(llm, prompts, params,
                                                                      message):
@@ -80,7 +82,21 @@ def test_bad_generate_arguments_raise_value_errors_and_queue_nothing(llm, prompt
     assert_drained(llm.engine)
 
 
-def test_stop_token_ids_as_a_tuple_are_taken_as_a_list():
+def test_stop_token_ids_and_stop_strings_as_tuples_are_taken_as_lists():
     assert SamplingParams(stop_token_ids=(1, 2)).stop_token_ids == [1, 2]
+    stop = SamplingParams(stop=("a", "bc"))
+    stop.validate()
+    assert stop.stop == ["a", "bc"]
     with pytest.raises(ValueError, match="stop_token_ids must be a list of non-negative"):
         SamplingParams(stop_token_ids=[1, -2]).validate()
+
+
+def test_max_tokens_past_the_context_warns_and_stops_at_the_context(tmp_path):
+    # a fresh user's finding: max_tokens=10**9 ran silently towards the 32k context
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0)
+    small = LLM(str(path), device="cpu", dtype="float32", max_model_len=64)
+    with pytest.warns(UserWarning, match="does not fit the context length 64 for 1 prompt"):
+        (out,) = small.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=10**9,
+                                                           ignore_eos=True))
+    assert len(out.token_ids) == 61 and out.finish_reason == "length"
+    assert_drained(small.engine)
