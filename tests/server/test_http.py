@@ -75,13 +75,20 @@ def test_a_completion_returns_text_finish_reason_and_usage(client, served):
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-def test_a_prompt_of_token_ids_or_a_one_string_list_is_accepted(client):
+def test_a_prompt_of_token_ids_or_a_one_element_list_of_either_is_accepted(client):
     ids = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, **GREEDY})
     assert ids.status_code == 200 and ids.json()["usage"]["prompt_tokens"] == 3
     one = client.post("/v1/completions", json={"prompt": ["Hello"], "max_tokens": 2, **GREEDY})
     assert one.status_code == 200, one.text
-    two = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
-    assert_openai_error(two, 400, "prompt")
+    nested = client.post("/v1/completions", json={"prompt": [[5, 6, 7]], "max_tokens": 2,
+                                                   **GREEDY})
+    assert nested.status_code == 200, nested.text
+    assert nested.json()["choices"] == ids.json()["choices"]
+    for batch in (["a", "b"], [[5], [6]]):
+        two = client.post("/v1/completions", json={"prompt": batch, "max_tokens": 2})
+        assert_openai_error(two, 400, "prompt")
+    empty = client.post("/v1/completions", json={"prompt": [[]], "max_tokens": 2})
+    assert_openai_error(empty, 400, "prompt")
 
 
 def test_a_streamed_completion_concatenates_to_the_non_streamed_text(client):

@@ -144,9 +144,9 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    """POST /v1/completions. `prompt`: text, token ids, or a one-element list of text."""
+    """POST /v1/completions. `prompt`: text, token ids, or a one-element list of either."""
 
-    prompt: str | list[StrictInt] | list[str]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     best_of: StrictInt | None = None
@@ -164,10 +164,10 @@ class CompletionRequest(_GenerationRequest):
             raise InvalidRequest("suffix is not supported by deltaserve", "suffix")
         if isinstance(self.prompt, list) and not self.prompt:
             raise InvalidRequest("prompt must not be empty", "prompt")
-        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) \
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)) \
                 and len(self.prompt) != 1:
             raise InvalidRequest("batched prompts are not supported: send a string, a list of "
-                                 "token ids, or a list of exactly one string", "prompt")
+                                 "token ids, or a list of exactly one of either", "prompt")
 
 
 class ContentPart(BaseModel):

@@ -80,8 +80,12 @@ class OpenAIServing:
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
         prompt = body.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], list):  # [[ids]]: one prompt
+            prompt = prompt[0]
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             return list(prompt)
+        if isinstance(prompt, list) and not prompt:
+            raise InvalidRequest("prompt must not be empty", "prompt")
         text = prompt if isinstance(prompt, str) else prompt[0]
         self._check_text_size(len(text), "prompt")
         self._check_encodable(text, "prompt")
