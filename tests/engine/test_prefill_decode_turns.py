@@ -13,7 +13,8 @@ from drained import assert_drained
 
 
 @pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "ngram",
-                                        "speculative_num_steps": 2}])
+                                        "speculative_num_steps": 2},
+                                   {"speculative_algorithm": "mtp", "speculative_num_steps": 2}])
 def test_decoding_requests_advance_between_the_chunks_of_a_long_prompt(tmp_path, spec):
     path = str(make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0))
     kw = dict(device="cpu", dtype="float32", chunk_size=64, max_num_batched_tokens=64,
