@@ -685,9 +685,9 @@ inline ds_error_t launch_rows(RecurrentParams p, ds_stream_t stream) {
 constexpr int64_t kVerifyRows4PerSm = 2560;
 template <int K>
 inline int pick_verify_rows(const RecurrentParams& p) {
-  const int rows = pick_rows<K>(int64_t(p.HV) * p.N, p.V);
-  if (std::getenv("DS_GDN_ROWS") != nullptr || rows != 2 || K != 128 ||
-      p.pend_rows != nullptr || p.R > kChunk)
+  const int rows = pick_rows<K>(int64_t(p.HV) * p.N, p.V);  // DS_GDN_ROWS: forced there
+  if (K != 128 || rows != 2 || p.pend_rows != nullptr || p.R > kChunk ||
+      std::getenv("DS_GDN_ROWS") != nullptr)
     return rows;
   int sms = 0;
   if (multiprocessor_count(&sms) != DS_SUCCESS || sms <= 0) return rows;

@@ -162,7 +162,7 @@ class CompletionRequest(_GenerationRequest):
             raise InvalidRequest("best_of is not supported: it must be 1", "best_of")
         if self.suffix:
             raise InvalidRequest("suffix is not supported by deltaserve", "suffix")
-        if isinstance(self.prompt, list) and not self.prompt:
+        if isinstance(self.prompt, list) and (not self.prompt or self.prompt[0] == []):
             raise InvalidRequest("prompt must not be empty", "prompt")
         if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)) \
                 and len(self.prompt) != 1:

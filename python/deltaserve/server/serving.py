@@ -84,8 +84,6 @@ class OpenAIServing:
             prompt = prompt[0]
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             return list(prompt)
-        if isinstance(prompt, list) and not prompt:
-            raise InvalidRequest("prompt must not be empty", "prompt")
         text = prompt if isinstance(prompt, str) else prompt[0]
         self._check_text_size(len(text), "prompt")
         self._check_encodable(text, "prompt")
