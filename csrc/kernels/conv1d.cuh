@@ -159,13 +159,11 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, MIN_BLOCKS)
   // windows and x are read after the wait.
   Channels<T, W> ch;
   ch.load(p, c0);
-  {
-    const int64_t guess = clamp_slot(p.slots[n], p.S);
-    for (int i = r0; i < W - 1; ++i) {
-      const T* row = window_row<T, W>(p, guess, i, c0);
-      // one prefetch per 128-byte line: by the thread whose 16 bytes start it
-      if (reinterpret_cast<uintptr_t>(row) % 128 == 0) prefetch_l2(row);
-    }
+  const int64_t guess = clamp_slot(p.slots[n], p.S);
+  for (int i = r0; i < W - 1; ++i) {
+    const T* row = window_row<T, W>(p, guess, i, c0);
+    // one prefetch per 128-byte line: by the thread whose 16 bytes start it
+    if (reinterpret_cast<uintptr_t>(row) % 128 == 0) prefetch_l2(row);
   }
   grid_dependency_wait();
   if (p.trigger_late) launch_dependents();
@@ -178,11 +176,25 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, MIN_BLOCKS)
     for (int j = 0; j < AHEAD; ++j)
       if (r + j < r1) xs[j].load(input_row<T, W>(p, 0, n, r + j + W - 1, c0));
   };
+  // Verify loads the window from the slot read before the wait, beside the slot read after it,
+  // and loads it again only if the two differ: the slot read is then off the path to the window,
+  // as in gdn_decode (what is read after the wait is current whichever slot it came from). H200,
+  // Qwen3-Next shapes, R = 4 (session 17, RESULTS.md): verify 0.82 / 0.84 / 0.97 / 0.96 / 0.93x
+  // the time at B = 1 / 8 / 64 / 256 / 512. Update took it too at first: 0.97x at B = 1 and 8,
+  // even at 64 and 512, but 1.005x and 1.05x at B = 256 in two rounds, so it keeps the plain
+  // order (slot, then window) until that is measured again.
   load_inputs(r0);
-  const int64_t slot = p.slots[n];
   Window<T, W> z;
+  const int64_t slot = VERIFY ? guess : p.slots[n];  // update: the slot it writes back to
 #pragma unroll
   for (int i = 0; i < W - 1; ++i) z[i].load(input_row<T, W>(p, slot, n, r0 + i, c0));
+  if constexpr (VERIFY) {
+    const int64_t real = p.slots[n];
+    if (real != slot) {
+#pragma unroll
+      for (int i = 0; i < W - 1; ++i) z[i].load(input_row<T, W>(p, real, n, r0 + i, c0));
+    }
+  }
 #pragma unroll 1
   for (int r = r0; r < r1; r += AHEAD) {
     if (r > r0) load_inputs(r);
