@@ -174,7 +174,7 @@ def profile_decode(llm: LLM, vocab: int) -> str:
         torch.cuda.synchronize()
     while eng.has_unfinished():
         eng.step()
-    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
+    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
 
 
 def anchor(path: str, args) -> dict:
