@@ -155,8 +155,8 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, MIN_BLOCKS)
   const int r1 = r0 + rows < R ? r0 + rows : R;
   // This kernel is launched with PDL too: the weights (written when the model loads, never by a
   // kernel of a step) are read while the previous kernel finishes, and the window rows are
-  // prefetched into L2 from the slot read now (clamped: it may be stale, compat.cuh); slots,
-  // windows and x are read after the wait.
+  // prefetched into L2 from the slot read now (clamped: it may be stale, compat.cuh); the slot
+  // is read again, and windows and x are read, after the wait.
   Channels<T, W> ch;
   ch.load(p, c0);
   const int64_t guess = clamp_slot(p.slots[n], p.S);
@@ -176,20 +176,24 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, MIN_BLOCKS)
     for (int j = 0; j < AHEAD; ++j)
       if (r + j < r1) xs[j].load(input_row<T, W>(p, 0, n, r + j + W - 1, c0));
   };
-  // The window is loaded from the slot read before the wait, beside the slot read after it, and
-  // loaded again only if the two differ: the slot read is then off the path to the window, as
-  // in gdn_decode (what is read after the wait is current whichever slot it came from). H200,
-  // Qwen3-Next shapes (session 17, RESULTS.md): verify (R = 4) 0.82 / 0.84 / 0.97 / 0.96 /
-  // 0.93x the time at B = 1 / 8 / 64 / 256 / 512; update 0.97-0.98x at B = 1 and 8, even (within
-  // its run-to-run spread) at 64 to 512.
+  // Verify loads the window from the slot read before the wait, beside the slot read after it,
+  // and loads it again only if the two differ: the slot read is then off the path to the window,
+  // as in gdn_decode (what is read after the wait is current whichever slot it came from). H200,
+  // Qwen3-Next shapes, R = 4 (session 17, RESULTS.md): verify 0.82 / 0.84 / 0.97 / 0.96 / 0.93x
+  // the time at B = 1 / 8 / 64 / 256 / 512. Update keeps slot, then window: written the same way
+  // there, ptxas merged the two window loads into one from the slot read after the wait (the
+  // write-back needs that slot anyway), so nothing moved off the path (SASS, session 17).
   load_inputs(r0);
   Window<T, W> z;
+  const int64_t slot = VERIFY ? guess : p.slots[n];  // update: the slot it writes back to
 #pragma unroll
-  for (int i = 0; i < W - 1; ++i) z[i].load(input_row<T, W>(p, guess, n, r0 + i, c0));
-  const int64_t slot = p.slots[n];
-  if (slot != guess) {
+  for (int i = 0; i < W - 1; ++i) z[i].load(input_row<T, W>(p, slot, n, r0 + i, c0));
+  if constexpr (VERIFY) {
+    const int64_t real = p.slots[n];
+    if (real != slot) {
 #pragma unroll
-    for (int i = 0; i < W - 1; ++i) z[i].load(input_row<T, W>(p, slot, n, r0 + i, c0));
+      for (int i = 0; i < W - 1; ++i) z[i].load(input_row<T, W>(p, real, n, r0 + i, c0));
+    }
   }
 #pragma unroll 1
   for (int r = r0; r < r1; r += AHEAD) {
