@@ -11,6 +11,9 @@ On the device, in one call (the builds share the 16 cores):
 Several builds or environments (session 10 compared six variant trees this way):
     python3 benchmarks/ab_gdn.py --config ref=build/ab/ref/python --config new=python \\
         --config nopdl=python,DS_PDL=0 --conv
+One op only (each process then times just it; session 18 compared seven decode variants so):
+    python3 benchmarks/ab_gdn.py --ops gdn_decode --config ref=build/ab/ref/python \
+        --config new=python --config t4=python,DS_GDN_TILES=4
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ import bench_kernels as bk
 from deltaserve.ops._ext import extension_loaded
 assert extension_loaded(), "extension not built in " + {path!r}
 out = {{}}
+ops = {ops!r}
 for n in {batches!r}:
-    r = bk.bench_gdn(n, {rows})
-    if {conv!r}:
+    r = bk.bench_gdn(n, {rows}, ops) if set(ops) & set({gdn_ops!r}) else {{}}
+    if set(ops) & set({conv_ops!r}):
         r.update(bk.bench_conv(n, {rows}))
     out[n] = {{op: r[op] for op in {ops!r}}}
     torch.cuda.empty_cache()
@@ -44,14 +48,13 @@ print(json.dumps(out))
 
 
 def run(python_dir: str, batches: list[int], rows: int, env: dict[str, str],
-        conv: bool = False) -> dict:
-    """µs per op and batch from one process importing deltaserve from `python_dir`.
+        ops: tuple[str, ...] = GDN_OPS) -> dict:
+    """µs per op (of `ops`) and batch from one process importing deltaserve from `python_dir`.
 
     Exits (SystemExit) with the child's last stderr lines when it fails (say, no CUDA device or
     an unbuilt tree)."""
-    ops = GDN_OPS + (CONV_OPS if conv else ())
     code = CHILD.format(bench=os.path.join(ROOT, "benchmarks"), path=python_dir, batches=batches,
-                        rows=rows, conv=conv, ops=ops)
+                        rows=rows, ops=tuple(ops), gdn_ops=GDN_OPS, conv_ops=CONV_OPS)
     child_env = dict(os.environ, **env)
     child_env["PYTHONPATH"] = os.pathsep.join(
         [python_dir] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -82,6 +85,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4, help="verify rows (k + 1)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--conv", action="store_true", help="also time the conv1d ops")
+    parser.add_argument("--ops", default="",
+                        help="time only these ops (comma-separated names from "
+                             "GDN_OPS and CONV_OPS), e.g. gdn_decode")
     parser.add_argument("--env", action="append", default=[],
                         help="NAME=VALUE for every configuration (repeatable), e.g. DS_PDL=0")
     parser.add_argument("--out", default="ab_gdn.json")
@@ -95,11 +101,16 @@ def main() -> None:
         ref = open(ref_id).read().strip() if os.path.exists(ref_id) else "ref"
         configs = [(ref, args.ref, env), ("new", args.new, env)]
     ops = GDN_OPS + (CONV_OPS if args.conv else ())
+    if args.ops:
+        ops = tuple(op for op in args.ops.split(",") if op)
+        unknown = set(ops) - set(GDN_OPS + CONV_OPS)
+        if unknown:
+            raise SystemExit(f"--ops: unknown {sorted(unknown)}; known {GDN_OPS + CONV_OPS}")
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
     for k in range(args.rounds):
         for label, path, cfg_env in configs:
             t0 = time.perf_counter()
-            runs[label].append(run(path, batches, args.rows, cfg_env, args.conv))
+            runs[label].append(run(path, batches, args.rows, cfg_env, ops))
             # each run as it ends, so a call cut short by its time limit still reports
             print(f"round {k + 1} {label} ({time.perf_counter() - t0:.0f} s): "
                   + json.dumps(runs[label][-1]), flush=True)

@@ -88,16 +88,22 @@ def gdn_inputs(chain, n, rows=None):
     return r(H, K), r(H, K), r(HV, V), r(HV), r(HV), A_log, torch.randn(HV, device="cuda")
 
 
-def bench_gdn(n: int, rows: int) -> dict:
+def bench_gdn(n: int, rows: int, only: tuple[str, ...] | None = None) -> dict:
+    """µs per call of each GDN op at batch n (verify with `rows` rows), and the bytes each moves;
+    `only`: time just these ops (A/B runs of one op), the rest absent from the result."""
+    want = lambda op: only is None or op in only  # noqa: E731
     chain = max(1, min(32, GRAPH_BUDGET // ((n + 1) * STATE_BYTES)))
     pool = torch.randn(chain, n + 1, HV, V, K, device="cuda").mul_(0.1)
     slots = (torch.randperm(n, device="cuda") + 1).int()
     q, k, v, a, b, A_log, dt_bias = gdn_inputs(chain, n)
     scale = K ** -0.5
     out = {"chain": chain}
-    out["gdn_decode"] = graph_us([
-        (lambda i=i: ops.gdn_decode(q[i], k[i], v[i], a[i], b[i], A_log, dt_bias, pool[i], slots,
-                                    scale)) for i in range(chain)], chain)
+    if want("gdn_decode"):
+        out["gdn_decode"] = graph_us([
+            (lambda i=i: ops.gdn_decode(q[i], k[i], v[i], a[i], b[i], A_log, dt_bias, pool[i],
+                                        slots, scale)) for i in range(chain)], chain)
+    if only is not None and not {"gdn_verify", "gdn_replay", "gdn_replay_verify"} & set(only):
+        return out
     qr, kr, vr, ar, br, _, _ = gdn_inputs(chain, n, rows)
     stash = ops.GDNStash.allocate(chain, n, rows, H, HV, K, V, "cuda")
     out["gdn_verify"] = graph_us([

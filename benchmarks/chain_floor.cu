@@ -5,11 +5,16 @@
 // targets at B = 8 (<= 9 µs) and 64 (<= 68 µs) in that form (session 17, RESULTS.md):
 //   flat      one float4 per thread, 256-thread blocks (torch's in-place mul_ is this kind)
 //   flat4     four float4 per thread, all loaded before any is stored
+//   (flat and flat4 pdl: dependents released at the start, one L2 prefetch per 128-byte line
+//   of the thread's data before the grid-dependency wait; session 18)
 //   tile      decode's pattern: 8 lanes per 128-float row, 2 rows per thread, 2 tiles of 32 rows
 //             per 128-thread block, the second prefetched into L2, 4 blocks per SM (decode's
 //             register cap, held here by dynamic shared memory); pdl: programmatic dependent
 //             launch as decode does it (dependents released at the start, first tile prefetched
-//             into L2 before the grid-dependency wait)
+//             into L2 before the grid-dependency wait); variants (session 18): pf-all, every
+//             tile of the block prefetched before the wait; tile4 / tile8, 4 / 8 tiles a block;
+//             no-next-pf, the second tile not prefetched; tile1, one tile a block; (8/SM) the
+//             shared-memory cap at 8 blocks per SM instead of 4
 //   bulk      every tile of the block brought into shared memory by one TMA bulk copy each
 //             (cp.async.bulk, mbarrier completion) after the wait, then read by the threads in
 //             decode's layout and stored from registers; T tiles per block
@@ -64,16 +69,34 @@ __device__ __forceinline__ void work(float (&s)[16], float c) {
   for (int i = 0; i < 16; ++i) s[i] = s[i] * c + acc;
 }
 
+// PDL: dependents released at the start, the thread's 128-byte line (one thread in 8) or its
+// four float4 prefetched into L2 before the grid-dependency wait
+template <bool PDL>
 __global__ void flat_k(float4* a, int64_t n4, float c) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (PDL) {
+    pdl_release();
+    if (i < n4 && i % 8 == 0) prefetch_l2(a + i);
+    pdl_wait();
+  }
   if (i >= n4) return;
   float4 x = a[i];
   x.x *= c; x.y *= c; x.z *= c; x.w *= c;
   a[i] = x;
 }
 
+template <bool PDL>
 __global__ void flat4_k(float4* a, int64_t n4, float c) {
   const int64_t base = blockIdx.x * int64_t(blockDim.x) * 4 + threadIdx.x;
+  if (PDL) {
+    pdl_release();
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t i = base + u * blockDim.x;
+      if (i < n4 && i % 8 == 0) prefetch_l2(a + i);
+    }
+    pdl_wait();
+  }
   float4 x[4];
 #pragma unroll
   for (int u = 0; u < 4; ++u) {
@@ -113,25 +136,26 @@ __device__ __forceinline__ void store_rows(float* tile, const float (&s)[2][16])
           make_float4(s[m][j * 4], s[m][j * 4 + 1], s[m][j * 4 + 2], s[m][j * 4 + 3]);
 }
 
-template <bool PDL>
+// T tiles per block; PF_ALL: all of them prefetched before the wait (else the first, and each
+// next one while the current one computes)
+template <bool PDL, bool PF_ALL = false, int T = 2, bool NO_NEXT = false>
 __global__ void __launch_bounds__(128) tile_k(float* st, float c) {
-  float* base = st + int64_t(blockIdx.x) * 2 * kTileRows * 128;
+  float* base = st + int64_t(blockIdx.x) * T * kTileRows * 128;
   if (PDL) pdl_release();
   const int g = threadIdx.x / 8, l = threadIdx.x % 8;
-  if (l < 4) {
-    prefetch_l2(base + g * 128 + l * 32);
-    prefetch_l2(base + (16 + g) * 128 + l * 32);
-  }
+  const auto prefetch_tile = [&](int t) {
+    if (l < 4) {
+      prefetch_l2(base + t * kTileRows * 128 + g * 128 + l * 32);
+      prefetch_l2(base + t * kTileRows * 128 + (16 + g) * 128 + l * 32);
+    }
+  };
+  for (int t = 0; t < (PF_ALL ? T : 1); ++t) prefetch_tile(t);
   if (PDL) pdl_wait();
-  for (int t = 0; t < 2; ++t) {
+  for (int t = 0; t < T; ++t) {
     float* tile = base + t * kTileRows * 128;
     float s[2][16];
     load_rows(tile, s);
-    if (t == 0 && l < 4) {
-      float* nx = base + kTileRows * 128;
-      prefetch_l2(nx + g * 128 + l * 32);
-      prefetch_l2(nx + (16 + g) * 128 + l * 32);
-    }
+    if (!PF_ALL && !NO_NEXT && t + 1 < T) prefetch_tile(t + 1);
 #pragma unroll
     for (int m = 0; m < 2; ++m) work(s[m], c);
     store_rows(tile, s);
@@ -225,11 +249,13 @@ float chained(cudaStream_t s, F launch) {
   return ts[ts.size() / 2];
 }
 
-template <typename Kern>
-void launch_ex(cudaStream_t s, Kern kern, int64_t blocks, int smem, bool pdl, float* st) {
+// one launch with or without programmatic dependent launch
+template <typename... KArgs, typename... Args>
+void launch_any(cudaStream_t s, void (*kern)(KArgs...), int64_t blocks, int threads, int smem,
+                bool pdl, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(128);
+  cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cudaLaunchAttribute attr[1];
@@ -237,7 +263,15 @@ void launch_ex(cudaStream_t s, Kern kern, int64_t blocks, int smem, bool pdl, fl
   attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  CK(cudaLaunchKernelEx(&cfg, kern, st, 1.0f));
+  CK(cudaLaunchKernelEx(&cfg, kern, args...));
+}
+template <typename Kern>
+void launch_ex(cudaStream_t s, Kern kern, int64_t blocks, int smem, bool pdl, float* st) {
+  launch_any(s, kern, blocks, 128, smem, pdl, st, 1.0f);
+}
+void launch_flat(cudaStream_t s, void (*kern)(float4*, int64_t, float), int64_t blocks, bool pdl,
+                 float* st, int64_t n4) {
+  launch_any(s, kern, blocks, 256, 0, pdl, reinterpret_cast<float4*>(st), n4, 1.0f);
 }
 
 // dynamic shared memory that holds a kernel to `cap` blocks per SM (at least `need`)
@@ -266,12 +300,15 @@ int main() {
     const auto report = [&](const char* name, float us) {
       printf("  %-28s %8.2f us  %6.0f GB/s\n", name, us, bytes / us * 1e-3);
     };
-    report("flat", chained(s, [&](int i) {
-      flat_k<<<(n4 + 255) / 256, 256, 0, s>>>(reinterpret_cast<float4*>(buf(i, n)), n4, 1.f);
-    }));
-    report("flat4", chained(s, [&](int i) {
-      flat4_k<<<(n4 + 1023) / 1024, 256, 0, s>>>(reinterpret_cast<float4*>(buf(i, n)), n4, 1.f);
-    }));
+    for (int pdl = 0; pdl < 2; ++pdl) {
+      report(pdl ? "flat pdl" : "flat", chained(s, [&](int i) {
+        launch_flat(s, pdl ? flat_k<true> : flat_k<false>, (n4 + 255) / 256, pdl, buf(i, n), n4);
+      }));
+      report(pdl ? "flat4 pdl" : "flat4", chained(s, [&](int i) {
+        launch_flat(s, pdl ? flat4_k<true> : flat4_k<false>, (n4 + 1023) / 1024, pdl, buf(i, n),
+                    n4);
+      }));
+    }
     const int64_t tiles = n / (kTileRows * 128);
     for (int pdl = 0; pdl < 2; ++pdl) {
       auto kern = pdl ? tile_k<true> : tile_k<false>;
@@ -280,6 +317,19 @@ int main() {
         launch_ex(s, kern, tiles / 2, smem, pdl, buf(i, n));
       }));
     }
+    const auto tile_pf = [&](auto kern, int T, int cap, const char* name) {
+      const int smem = cap_smem(kern, cap, 0);
+      report(name, chained(s, [&](int i) { launch_ex(s, kern, tiles / T, smem, true, buf(i, n)); }));
+    };
+    tile_pf(tile_k<true, true, 2>, 2, 4, "tile pdl pf-all (4/SM)");
+    tile_pf(tile_k<true, true, 2>, 2, 8, "tile pdl pf-all (8/SM)");
+    tile_pf(tile_k<true, false, 2>, 2, 8, "tile pdl (8/SM)");
+    tile_pf(tile_k<true, false, 2, true>, 2, 4, "tile pdl no-next-pf (4/SM)");
+    tile_pf(tile_k<true, false, 1>, 1, 8, "tile1 pdl (8/SM)");
+    tile_pf(tile_k<true, false, 4>, 4, 4, "tile4 pdl (4/SM)");
+    tile_pf(tile_k<true, true, 4>, 4, 4, "tile4 pdl pf-all (4/SM)");
+    tile_pf(tile_k<true, true, 4>, 4, 8, "tile4 pdl pf-all (8/SM)");
+    tile_pf(tile_k<true, true, 8>, 8, 4, "tile8 pdl pf-all (4/SM)");
     const auto bulk = [&](auto kern, int T, bool pdl, int cap, const char* name) {
       if (tiles % T) return;
       const int smem = cap_smem(kern, cap, T * kTileBytes);
