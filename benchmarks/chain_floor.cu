@@ -15,6 +15,8 @@
 //             tile of the block prefetched before the wait; tile4 / tile8, 4 / 8 tiles a block;
 //             no-next-pf, the second tile not prefetched; tile1, one tile a block; (8/SM) the
 //             shared-memory cap at 8 blocks per SM instead of 4
+//   wtile     decode's layout in blocks of 1, 2 or 4 warps (8 rows a warp), 1 or 2 tiles a block,
+//             PDL, occupancy left to the registers (fla-core's unit of work: one warp, 8 rows)
 //   bulk      every tile of the block brought into shared memory by one TMA bulk copy each
 //             (cp.async.bulk, mbarrier completion) after the wait, then read by the threads in
 //             decode's layout and stored from registers; T tiles per block
@@ -134,6 +136,47 @@ __device__ __forceinline__ void store_rows(float* tile, const float (&s)[2][16])
     for (int j = 0; j < 4; ++j)
       *reinterpret_cast<float4*>(tile + piece(m, j)) =
           make_float4(s[m][j * 4], s[m][j * 4 + 1], s[m][j * 4 + 2], s[m][j * 4 + 3]);
+}
+
+// decode's layout in blocks of WARPS warps (a tile of WARPS * 8 rows: group g = tid / 8 holds
+// rows g and g + WARPS * 4), T tiles a block, the next prefetched while the current computes:
+// small units of work in the manner of fla-core's fused_recurrent (one warp, 8 value rows a
+// program), which beat gdn_decode by 1.7% at B=64 in session 18's bench_kernels
+template <int WARPS, int T>
+__global__ void wtile_k(float* st, float c) {
+  constexpr int kRows = WARPS * 8, kHalf = WARPS * 4;
+  float* base = st + int64_t(blockIdx.x) * T * kRows * 128;
+  pdl_release();
+  const int g = threadIdx.x / 8, l = threadIdx.x % 8;
+  const auto prefetch = [&](int t) {
+    if (l < 4) {
+      prefetch_l2(base + t * kRows * 128 + g * 128 + l * 32);
+      prefetch_l2(base + t * kRows * 128 + (kHalf + g) * 128 + l * 32);
+    }
+  };
+  prefetch(0);
+  pdl_wait();
+  for (int t = 0; t < T; ++t) {
+    float* tile = base + t * kRows * 128;
+    float s[2][16];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float4 p = *reinterpret_cast<const float4*>(tile + (m * kHalf + g) * 128 +
+                                                          (j * 8 + l) * 4);
+        s[m][j * 4] = p.x; s[m][j * 4 + 1] = p.y; s[m][j * 4 + 2] = p.z; s[m][j * 4 + 3] = p.w;
+      }
+    if (t + 1 < T) prefetch(t + 1);
+#pragma unroll
+    for (int m = 0; m < 2; ++m) work(s[m], c);
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        *reinterpret_cast<float4*>(tile + (m * kHalf + g) * 128 + (j * 8 + l) * 4) =
+            make_float4(s[m][j * 4], s[m][j * 4 + 1], s[m][j * 4 + 2], s[m][j * 4 + 3]);
+  }
 }
 
 // T tiles per block; PF_ALL: all of them prefetched before the wait (else the first, and each
@@ -330,6 +373,21 @@ int main() {
     tile_pf(tile_k<true, true, 4>, 4, 4, "tile4 pdl pf-all (4/SM)");
     tile_pf(tile_k<true, true, 4>, 4, 8, "tile4 pdl pf-all (8/SM)");
     tile_pf(tile_k<true, true, 8>, 8, 4, "tile8 pdl pf-all (4/SM)");
+    const auto wtile = [&](auto kern, int warps, int T, const char* name) {
+      const int64_t blocks = n / (int64_t(warps) * 8 * 128 * T);
+      int occ;
+      CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, warps * 32, 0));
+      char label[64];
+      snprintf(label, sizeof label, "%s (%d/SM)", name, occ);
+      report(label, chained(s, [&](int i) {
+        launch_any(s, kern, blocks, warps * 32, 0, true, buf(i, n), 1.0f);
+      }));
+    };
+    wtile(wtile_k<1, 1>, 1, 1, "wtile 1 warp, 1 tile");
+    wtile(wtile_k<1, 2>, 1, 2, "wtile 1 warp, 2 tiles");
+    wtile(wtile_k<2, 1>, 2, 1, "wtile 2 warps, 1 tile");
+    wtile(wtile_k<2, 2>, 2, 2, "wtile 2 warps, 2 tiles");
+    wtile(wtile_k<4, 2>, 4, 2, "wtile 4 warps, 2 tiles");
     const auto bulk = [&](auto kern, int T, bool pdl, int cap, const char* name) {
       if (tiles % T) return;
       const int smem = cap_smem(kern, cap, T * kTileBytes);
