@@ -71,6 +71,25 @@ def test_a_request_too_long_for_the_pool_is_refused_naming_the_verify_rows_it_ne
     assert (f"+ {rows} speculative verify rows" in says) == bool(rows)
 
 
+@pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "ngram",
+                                        "speculative_num_steps": 3}])
+def test_a_prompt_too_long_for_the_pool_is_refused_naming_the_prompt(tmp_path, spec):
+    """With one output token a prompt of 112 - rows tokens fills the 7 usable pages of 16; one
+    more token can fit no max_tokens, so the error blames the prompt, not max_tokens (a fresh
+    user's finding: the server named max_tokens as the param)."""
+    path = str(make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0))
+    engine = LLM(path, device="cpu", dtype="float32", num_pages=8, page_size=16, **spec).engine
+    rows = spec.get("speculative_num_steps", 0)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    assert engine.abort(engine.add_request([5] * (111 - rows), one))
+    with pytest.raises(ValueError) as e:
+        engine.add_request([5] * (112 - rows), one)
+    says = str(e.value)
+    assert says.startswith(f"prompt of {112 - rows} tokens does not fit the KV pool")
+    assert "needs 8 KV pages of 16 tokens" in says and "the pool has 7" in says
+    assert engine.scheduler.page_pool.num_free == 7
+
+
 def test_cache_status_reports_the_pages_running_requests_are_promised_but_do_not_hold(tmp_path):
     """Admission reserves a request's prompt + max_tokens up front; pages_free alone then does
     not say why requests wait (found by a fresh-user run)."""
@@ -87,3 +106,17 @@ def test_cache_status_reports_the_pages_running_requests_are_promised_but_do_not
     assert engine.abort(rid)
     assert engine.cache_status()["pages_reserved"] == 0
     assert_drained(engine)
+
+
+def test_a_pool_smaller_than_the_context_is_logged_at_startup(tmp_path, caplog):
+    """7 usable pages of 16 tokens hold 112 of the tiny model's context (a fresh user's finding:
+    nothing said so until a long request was refused)."""
+    path = str(make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0))
+    with caplog.at_level("WARNING", logger="deltaserve.engine"):
+        small = LLM(path, device="cpu", dtype="float32", num_pages=8, page_size=16)
+    assert small.engine.max_request_len == 112
+    assert "KV page pool holds 112 tokens per request, less than the context length" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="deltaserve.engine"):
+        LLM(path, device="cpu", dtype="float32", num_pages=8, page_size=16, max_model_len=100)
+    assert "KV page pool" not in caplog.text

@@ -122,6 +122,12 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg, self.page_pool, self.state_pool, self.prefix_cache,
                                    self.eos_ids,
                                    on_release=self.spec.release if self.spec else None)
+        if self.scheduler.max_request_len() < self.max_model_len:
+            # vLLM refuses to start here; a pool below the context still serves shorter requests
+            logger.warning("the KV page pool holds %d tokens per request, less than the context "
+                           "length %d: longer requests are refused (raise --num-pages or "
+                           "--kv-memory-gb, or lower --max-model-len)",
+                           max(self.scheduler.max_request_len(), 0), self.max_model_len)
         self.spec_steps = 0
         self.spec_committed = 0
         self._rids = itertools.count()

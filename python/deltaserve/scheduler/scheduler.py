@@ -73,9 +73,17 @@ class Scheduler:
     def check_fits(self, req: Req) -> None:
         """Raise ValueError when `req` could never be admitted, even with an empty cache."""
         usable = self.page_pool.num_pages - 1
+        rows = (f" + {self.extra_rows} speculative verify rows" if self.extra_rows else "")
+        # first word of each message: the request field to blame (the server's param); when the
+        # prompt and one output token already overflow, no max_tokens could help
+        least = self.pages_for(req.prompt_len + 1 + self.extra_rows)
+        if least > usable:
+            raise ValueError(
+                f"prompt of {req.prompt_len} tokens does not fit the KV pool: with one output "
+                f"token{rows} it needs {least} KV pages of {self.page_size} tokens but the pool "
+                f"has {usable}; shorten the prompt or raise --num-pages / --kv-memory-gb")
         if self.pages_needed(req) > usable:
-            rows = (f" + {self.extra_rows} speculative verify rows" if self.extra_rows else "")
-            raise ValueError(  # first word: the request field to blame (the server's param)
+            raise ValueError(
                 f"max_tokens {req.params.max_tokens} does not fit the KV pool: the request "
                 f"needs {self.pages_needed(req)} KV pages of {self.page_size} tokens "
                 f"(prompt {req.prompt_len} + max_tokens {req.params.max_tokens}{rows}) but the "
