@@ -66,11 +66,28 @@ def test_a_bad_sampling_field_is_named_as_the_param(fields, param):
     (ChatCompletionRequest(messages=[]), "messages"),
     (CompletionRequest(prompt="x", logit_bias={"5": 100}), "logit_bias"),
     (chat(logit_bias={"5": -100}), "logit_bias"),
+    (chat(tool_choice="required"), "tool_choice"),
+    (chat(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+    (chat(functions=[{"name": "f"}]), "functions"),
+    (ChatCompletionRequest(messages=[
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "42"}]), "messages.1.tool_calls"),
 ])
 def test_unsupported_fields_are_refused_not_ignored(body, param):
     with pytest.raises(InvalidRequest) as e:
         body.check_supported()
     assert e.value.param == param
+
+
+def test_tool_choice_none_and_a_tool_result_message_are_accepted():
+    """tool_choice "none" asks for what deltaserve does anyway; a tool message is plain text."""
+    chat(tool_choice="none").check_supported()
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"},
+                                           {"role": "tool", "content": "42"}])
+    body.check_supported()
+    assert body.template_messages()[1] == {"role": "tool", "content": "42"}
 
 
 def test_chat_messages_become_template_messages():

@@ -183,6 +183,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # refused (check_supported): dropped, the model would
+    function_call: Any | None = None     # see an assistant turn that never happened
 
     def text(self, index: int) -> str:
         """The message's text. Raises InvalidRequest for non-text content parts, a text part
@@ -231,10 +233,18 @@ class ChatCompletionRequest(_GenerationRequest):
             raise InvalidRequest("logprobs are not supported by deltaserve", param)
         if self.tools:
             raise InvalidRequest("tools are not supported by deltaserve", "tools")
+        extra = self.model_extra or {}
+        for name in ("tool_choice", "functions", "function_call"):
+            if extra.get(name) not in (None, "none", [], {}):
+                raise InvalidRequest(f"{name} is not supported by deltaserve (no tools)", name)
+        for i, m in enumerate(self.messages):
+            for name in ("tool_calls", "function_call"):
+                if getattr(m, name):
+                    raise InvalidRequest(f"{name} in chat history is not supported by "
+                                         "deltaserve (no tools)", f"messages.{i}.{name}")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidRequest("only response_format type 'text' is supported",
                                  "response_format")
-        extra = self.model_extra or {}
         for name in VLLM_CHAT_UNSUPPORTED:
             if extra.get(name) not in (None, False, 0, "", [], {}):
                 raise InvalidRequest(f"{name} is not supported by deltaserve", name)
