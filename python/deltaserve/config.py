@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 DEFAULT_SPECULATIVE_STEPS = 3  # drafts per verify step when only the algorithm is given
 
@@ -52,7 +52,19 @@ class EngineConfig:
         self.decode_rows_per_req = self.speculative_num_steps + 1
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise ValueError naming the first bad field (a wrong type first: `chunk_size="big"`
+        or `page_size=16.5` used to surface as a TypeError from deep inside)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", "int | None") and value is not None and (
+                    not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{f.name} must be an integer, got {value!r}")
+            if f.type in ("bool", "bool | None") and value is not None and (
+                    not isinstance(value, bool)):
+                raise ValueError(f"{f.name} must be True or False, got {value!r}")
+        if isinstance(self.kv_memory_gb, bool) or not isinstance(self.kv_memory_gb,
+                                                                 (int, float)):
+            raise ValueError(f"kv_memory_gb must be a number, got {self.kv_memory_gb!r}")
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
         if self.snapshot_grid < 64 or self.snapshot_grid % 64:

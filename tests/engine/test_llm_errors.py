@@ -100,3 +100,19 @@ def test_max_tokens_past_the_context_warns_and_stops_at_the_context(tmp_path):
                                                            ignore_eos=True))
     assert len(out.token_ids) == 61 and out.finish_reason == "length"
     assert_drained(small.engine)
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("chunk_size", "big", "chunk_size must be an integer, got 'big'"),
+    ("page_size", 16.5, "page_size must be an integer, got 16.5"),
+    ("num_pages", True, "num_pages must be an integer, got True"),
+    ("cuda_graphs", "yes", "cuda_graphs must be True or False, got 'yes'"),
+    ("kv_memory_gb", "1", "kv_memory_gb must be a number, got '1'"),
+])
+def test_an_engine_option_of_the_wrong_type_is_a_value_error_naming_it(tmp_path, field, value,
+                                                                         says):
+    # a fresh user's finding: LLM(chunk_size="big") raised a bare TypeError from a comparison
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0)
+    with pytest.raises(ValueError) as e:
+        LLM(str(path), device="cpu", dtype="float32", **{field: value})
+    assert str(e.value) == says
