@@ -11,8 +11,9 @@ On the device, in one call (the builds share the 16 cores):
 Several builds or environments (session 10 compared six variant trees this way):
     python3 benchmarks/ab_gdn.py --config ref=build/ab/ref/python --config new=python \\
         --config nopdl=python,DS_PDL=0 --conv
-One op only (each process then times just it; session 18 compared seven decode variants so):
-    python3 benchmarks/ab_gdn.py --ops gdn_decode --config ref=build/ab/ref/python \
+Some ops only (--ops; gdn_decode alone is timed alone, conv ops always all three, the other
+GDN ops together; session 18 compared seven decode configurations so):
+    python3 benchmarks/ab_gdn.py --ops gdn_decode --config ref=build/ab/ref/python \\
         --config new=python --config t4=python,DS_GDN_TILES=4
 """
 
@@ -41,7 +42,7 @@ for n in {batches!r}:
     r = bk.bench_gdn(n, {rows}, ops) if set(ops) & set({gdn_ops!r}) else {{}}
     if set(ops) & set({conv_ops!r}):
         r.update(bk.bench_conv(n, {rows}))
-    out[n] = {{op: r[op] for op in {ops!r}}}
+    out[n] = {{op: r[op] for op in ops}}
     torch.cuda.empty_cache()
 print(json.dumps(out))
 """
@@ -86,8 +87,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--conv", action="store_true", help="also time the conv1d ops")
     parser.add_argument("--ops", default="",
-                        help="time only these ops (comma-separated names from "
-                             "GDN_OPS and CONV_OPS), e.g. gdn_decode")
+                        help="time only these ops, comma-separated, of "
+                             + ", ".join(GDN_OPS + CONV_OPS) + " (replaces --conv)")
     parser.add_argument("--env", action="append", default=[],
                         help="NAME=VALUE for every configuration (repeatable), e.g. DS_PDL=0")
     parser.add_argument("--out", default="ab_gdn.json")
@@ -104,6 +105,8 @@ def main() -> None:
     if args.ops:
         ops = tuple(op for op in args.ops.split(",") if op)
         unknown = set(ops) - set(GDN_OPS + CONV_OPS)
+        if not ops:
+            raise SystemExit("--ops: no op named")
         if unknown:
             raise SystemExit(f"--ops: unknown {sorted(unknown)}; known {GDN_OPS + CONV_OPS}")
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}

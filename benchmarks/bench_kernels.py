@@ -89,8 +89,10 @@ def gdn_inputs(chain, n, rows=None):
 
 
 def bench_gdn(n: int, rows: int, only: tuple[str, ...] | None = None) -> dict:
-    """µs per call of each GDN op at batch n (verify with `rows` rows), and the bytes each moves;
-    `only`: time just these ops (A/B runs of one op), the rest absent from the result."""
+    """µs per call of each GDN op at batch n (verify with `rows` rows), and the bytes each moves.
+    `only`: just gdn_decode when it names no other GDN op (A/B runs of decode); any of
+    gdn_verify, gdn_replay or gdn_replay_verify times all of the rest (replay reads the stash
+    verify writes)."""
     want = lambda op: only is None or op in only  # noqa: E731
     chain = max(1, min(32, GRAPH_BUDGET // ((n + 1) * STATE_BYTES)))
     pool = torch.randn(chain, n + 1, HV, V, K, device="cuda").mul_(0.1)

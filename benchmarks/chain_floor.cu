@@ -180,7 +180,7 @@ __global__ void wtile_k(float* st, float c) {
 }
 
 // T tiles per block; PF_ALL: all of them prefetched before the wait (else the first, and each
-// next one while the current one computes)
+// next one while the current one computes, unless NO_NEXT)
 template <bool PDL, bool PF_ALL = false, int T = 2, bool NO_NEXT = false>
 __global__ void __launch_bounds__(128) tile_k(float* st, float c) {
   float* base = st + int64_t(blockIdx.x) * T * kTileRows * 128;
@@ -362,7 +362,9 @@ int main() {
     }
     const auto tile_pf = [&](auto kern, int T, int cap, const char* name) {
       const int smem = cap_smem(kern, cap, 0);
-      report(name, chained(s, [&](int i) { launch_ex(s, kern, tiles / T, smem, true, buf(i, n)); }));
+      report(name, chained(s, [&](int i) {
+        launch_ex(s, kern, tiles / T, smem, true, buf(i, n));
+      }));
     };
     tile_pf(tile_k<true, true, 2>, 2, 4, "tile pdl pf-all (4/SM)");
     tile_pf(tile_k<true, true, 2>, 2, 8, "tile pdl pf-all (8/SM)");
