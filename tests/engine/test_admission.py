@@ -115,8 +115,17 @@ def test_a_pool_smaller_than_the_context_is_logged_at_startup(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="deltaserve.engine"):
         small = LLM(path, device="cpu", dtype="float32", num_pages=8, page_size=16)
     assert small.engine.max_request_len == 112
-    assert "KV page pool holds 112 tokens per request, less than the context length" in caplog.text
+    assert ("the longest request the KV page pool can hold is 112 tokens, less than the "
+            "context length") in caplog.text and "raise --num-pages" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="deltaserve.engine"):
         LLM(path, device="cpu", dtype="float32", num_pages=8, page_size=16, max_model_len=100)
     assert "KV page pool" not in caplog.text
+
+
+def test_a_pool_that_cannot_hold_a_two_token_request_is_refused_at_startup(tmp_path):
+    """One usable page of one token, less the 3 verify rows: no request could ever run."""
+    path = str(make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0))
+    with pytest.raises(ValueError, match="cannot hold even a 2-token request"):
+        LLM(path, device="cpu", dtype="float32", num_pages=2, page_size=1,
+            speculative_algorithm="ngram", speculative_num_steps=3)

@@ -122,12 +122,16 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg, self.page_pool, self.state_pool, self.prefix_cache,
                                    self.eos_ids,
                                    on_release=self.spec.release if self.spec else None)
-        if self.scheduler.max_request_len() < self.max_model_len:
+        longest = self.scheduler.max_request_len()
+        if longest < 2:  # a one-token prompt and one output token
+            raise ValueError(f"num_pages: the KV page pool cannot hold even a 2-token request "
+                             f"({longest} tokens fit); {self.scheduler.pool_hint()}")
+        if longest < self.max_model_len:
             # vLLM refuses to start here; a pool below the context still serves shorter requests
-            logger.warning("the KV page pool holds %d tokens per request, less than the context "
-                           "length %d: longer requests are refused (raise --num-pages or "
-                           "--kv-memory-gb, or lower --max-model-len)",
-                           max(self.scheduler.max_request_len(), 0), self.max_model_len)
+            logger.warning("the longest request the KV page pool can hold is %d tokens, less "
+                           "than the context length %d: longer ones are refused (%s, or lower "
+                           "--max-model-len)", longest, self.max_model_len,
+                           self.scheduler.pool_hint())
         self.spec_steps = 0
         self.spec_committed = 0
         self._rids = itertools.count()

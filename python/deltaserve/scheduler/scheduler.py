@@ -70,6 +70,11 @@ class Scheduler:
         """The longest request (prompt + output tokens) the page pool can ever hold."""
         return (self.page_pool.num_pages - 1) * self.page_size - self.extra_rows
 
+    def pool_hint(self) -> str:
+        """What enlarges the KV page pool, as the user sized it."""
+        return ("raise --num-pages (num_pages)" if self.cfg.num_pages is not None
+                else "raise --kv-memory-gb (kv_memory_gb) or set --num-pages")
+
     def check_fits(self, req: Req) -> None:
         """Raise ValueError when `req` could never be admitted, even with an empty cache."""
         usable = self.page_pool.num_pages - 1
@@ -81,13 +86,13 @@ class Scheduler:
             raise ValueError(
                 f"prompt of {req.prompt_len} tokens does not fit the KV pool: with one output "
                 f"token{rows} it needs {least} KV pages of {self.page_size} tokens but the pool "
-                f"has {usable}; shorten the prompt or raise --num-pages / --kv-memory-gb")
+                f"has {usable}; shorten the prompt or {self.pool_hint()}")
         if self.pages_needed(req) > usable:
             raise ValueError(
                 f"max_tokens {req.params.max_tokens} does not fit the KV pool: the request "
                 f"needs {self.pages_needed(req)} KV pages of {self.page_size} tokens "
                 f"(prompt {req.prompt_len} + max_tokens {req.params.max_tokens}{rows}) but the "
-                f"pool has {usable}; lower max_tokens or raise --num-pages / --kv-memory-gb")
+                f"pool has {usable}; lower max_tokens or {self.pool_hint()}")
 
     def reserved_pages(self) -> int:
         return sum(max(0, self.pages_needed(r) - len(r.page_table)) for r in self.running)
