@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, fields
 
 DEFAULT_SPECULATIVE_STEPS = 3  # drafts per verify step when only the algorithm is given
@@ -54,17 +56,22 @@ class EngineConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first bad field (a wrong type first: `chunk_size="big"`
         or `page_size=16.5` used to surface as a TypeError from deep inside)."""
+        # f.type is the annotation as written (a string: `from __future__ import annotations`)
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type in ("int", "int | None") and value is not None and (
-                    not isinstance(value, int) or isinstance(value, bool)):
+            if value is None and f.type.endswith("| None"):
+                continue
+            kind = f.type.split(" |")[0]
+            if kind == "int" and (not isinstance(value, numbers.Integral)
+                                  or isinstance(value, bool)):
                 raise ValueError(f"{f.name} must be an integer, got {value!r}")
-            if f.type in ("bool", "bool | None") and value is not None and (
-                    not isinstance(value, bool)):
+            if kind == "bool" and not isinstance(value, bool):
                 raise ValueError(f"{f.name} must be True or False, got {value!r}")
-        if isinstance(self.kv_memory_gb, bool) or not isinstance(self.kv_memory_gb,
-                                                                 (int, float)):
-            raise ValueError(f"kv_memory_gb must be a number, got {self.kv_memory_gb!r}")
+            if kind == "str" and not isinstance(value, str):
+                raise ValueError(f"{f.name} must be a string, got {value!r}")
+            if kind == "float" and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                    or not math.isfinite(value)):
+                raise ValueError(f"{f.name} must be a finite number, got {value!r}")
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
         if self.snapshot_grid < 64 or self.snapshot_grid % 64:

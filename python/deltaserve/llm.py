@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, fields
 
@@ -29,11 +30,13 @@ class LLM:
     TypeError.
     """
 
-    def __init__(self, model: str | None = None, **kwargs) -> None:
+    def __init__(self, model: str | os.PathLike | None = None, **kwargs) -> None:
         known = {f.name for f in fields(EngineConfig)}
         unknown = set(kwargs) - known
         if unknown:
             raise TypeError(f"unknown engine options: {sorted(unknown)}")
+        if isinstance(model, os.PathLike):  # a pathlib.Path folder is as good as its string
+            model = os.fspath(model)
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
     @property

@@ -107,12 +107,31 @@ def test_max_tokens_past_the_context_warns_and_stops_at_the_context(tmp_path):
     ("page_size", 16.5, "page_size must be an integer, got 16.5"),
     ("num_pages", True, "num_pages must be an integer, got True"),
     ("cuda_graphs", "yes", "cuda_graphs must be True or False, got 'yes'"),
-    ("kv_memory_gb", "1", "kv_memory_gb must be a number, got '1'"),
+    ("kv_memory_gb", "1", "kv_memory_gb must be a finite number, got '1'"),
+    ("kv_memory_gb", float("inf"), "kv_memory_gb must be a finite number, got inf"),
+    ("radix_lookahead", 1, "radix_lookahead must be True or False, got 1"),
+    ("dtype", 32, "dtype must be a string, got 32"),
 ])
 def test_an_engine_option_of_the_wrong_type_is_a_value_error_naming_it(tmp_path, field, value,
                                                                          says):
     # a fresh user's finding: LLM(chunk_size="big") raised a bare TypeError from a comparison
     path = make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0)
     with pytest.raises(ValueError) as e:
-        LLM(str(path), device="cpu", dtype="float32", **{field: value})
+        LLM(str(path), **{"device": "cpu", "dtype": "float32", field: value})
     assert str(e.value) == says
+
+
+def test_numpy_integers_are_taken_as_engine_options():
+    import numpy as np
+
+    from deltaserve.config import EngineConfig
+
+    EngineConfig(num_pages=np.int64(100), chunk_size=np.int32(256)).validate()
+
+
+def test_a_model_folder_given_as_a_path_is_loaded(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0)  # a pathlib.Path
+    llm = LLM(path, device="cpu", dtype="float32")
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2,
+                                                      ignore_eos=True))
+    assert len(out.token_ids) == 2
