@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -69,6 +70,11 @@ def test_a_bad_sampling_field_is_named_as_the_param(fields, param):
     (chat(tool_choice="required"), "tool_choice"),
     (chat(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
     (chat(functions=[{"name": "f"}]), "functions"),
+    (chat(function_call="auto"), "function_call"),
+    (ChatCompletionRequest(messages=[
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]),
+     "messages.1.function_call"),
     (ChatCompletionRequest(messages=[
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": None, "tool_calls": [
@@ -160,6 +166,28 @@ def test_an_unset_max_tokens_is_capped_by_the_kv_pool_as_well_as_the_context():
     assert roomy.sampling_params(chat_body, [1] * 20, "messages", None).max_tokens == 492
     explicit = chat(max_tokens=400)  # explicit: kept; the engine names the pool if too big
     assert serving.sampling_params(explicit, [1] * 20, "messages", None).max_tokens == 400
+
+
+@pytest.mark.parametrize("says,body,prompt_param,param", [
+    ("prompt of 20 tokens does not fit the KV pool", CompletionRequest(prompt="x"), "prompt",
+     "prompt"),
+    ("prompt of 20 tokens does not fit the KV pool", chat(), "messages", "messages"),
+    ("max_tokens 400 does not fit the KV pool", chat(max_tokens=400), "messages", "max_tokens"),
+])
+def test_the_engines_refusal_names_the_field_its_first_word_names(says, body, prompt_param,
+                                                                  param):
+    """The server's param is the first word of the engine's ValueError when that is a field of
+    the request, else the request's prompt field (chat has no `prompt`)."""
+    class Refusing:
+        max_model_len, max_request_len = 512, 512
+
+        async def add(self, prompt_ids, params):
+            raise ValueError(says + ": ...")
+
+    serving = OpenAIServing(Refusing(), None)
+    with pytest.raises(InvalidRequest) as e:
+        asyncio.run(serving._start("r", body, [1] * 20, prompt_param, 16))
+    assert e.value.param == param and e.value.message.startswith(says)
 
 
 

@@ -183,8 +183,10 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None  # refused (check_supported): dropped, the model would
-    function_call: Any | None = None     # see an assistant turn that never happened
+    # declared so that check_supported can refuse them: ignored, the model would see an empty
+    # assistant turn, then a tool result from nowhere
+    tool_calls: list[Any] | None = None
+    function_call: Any | None = None
 
     def text(self, index: int) -> str:
         """The message's text. Raises InvalidRequest for non-text content parts, a text part
