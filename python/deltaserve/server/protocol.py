@@ -66,6 +66,18 @@ VLLM_UNSUPPORTED = ("min_tokens", "use_beam_search", "include_stop_str_in_output
                     "structured_outputs", "logits_processors")
 # and on chat (vLLM's chat extensions): the prompt as rendered here would differ from theirs
 VLLM_CHAT_UNSUPPORTED = ("echo", "chat_template", "continue_final_message")
+# OpenAI's tool fields besides `tools`: deltaserve has no tools, so only "none" asks for nothing
+TOOL_FIELDS = ("tool_choice", "functions", "function_call")
+UNSET = (None, False, 0, "", [], {})  # an extension at its default: changes nothing
+
+
+def refuse_set_extras(extra: dict[str, Any], names: tuple[str, ...], note: str = "",
+                      unset: tuple[Any, ...] = UNSET) -> None:
+    """Raise InvalidRequest (param: the field) for the first of `names` that `extra` (a
+    request's unknown fields) sets to anything but `unset`."""
+    for name in names:
+        if extra.get(name) not in unset:
+            raise InvalidRequest(f"{name} is not supported by deltaserve{note}", name)
 
 
 class _GenerationRequest(BaseModel):
@@ -105,10 +117,7 @@ class _GenerationRequest(BaseModel):
                                  "choice per request (n must be 1)", "n")
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported by deltaserve", "logit_bias")
-        extra = self.model_extra or {}
-        for name in VLLM_UNSUPPORTED:
-            if extra.get(name) not in (None, False, 0, "", [], {}):
-                raise InvalidRequest(f"{name} is not supported by deltaserve", name)
+        refuse_set_extras(self.model_extra or {}, VLLM_UNSUPPORTED)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true",
                                  "stream_options")
@@ -236,20 +245,16 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.tools:
             raise InvalidRequest("tools are not supported by deltaserve", "tools")
         extra = self.model_extra or {}
-        for name in ("tool_choice", "functions", "function_call"):
-            if extra.get(name) not in (None, "none", [], {}):
-                raise InvalidRequest(f"{name} is not supported by deltaserve (no tools)", name)
+        refuse_set_extras(extra, TOOL_FIELDS, " (no tools)", unset=(None, "none", [], {}))
         for i, m in enumerate(self.messages):
-            for name in ("tool_calls", "function_call"):
+            for name in ("tool_calls", "function_call"):  # the history's own tool fields
                 if getattr(m, name):
                     raise InvalidRequest(f"{name} in chat history is not supported by "
                                          "deltaserve (no tools)", f"messages.{i}.{name}")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidRequest("only response_format type 'text' is supported",
                                  "response_format")
-        for name in VLLM_CHAT_UNSUPPORTED:
-            if extra.get(name) not in (None, False, 0, "", [], {}):
-                raise InvalidRequest(f"{name} is not supported by deltaserve", name)
+        refuse_set_extras(extra, VLLM_CHAT_UNSUPPORTED)
         if extra.get("add_generation_prompt", True) is not True:
             raise InvalidRequest("add_generation_prompt must be true: deltaserve always ends "
                                  "the rendered chat with the assistant's turn",
