@@ -4,7 +4,13 @@ For each algorithm (n-gram, MTP on the model's own head) and each k in --ks, run
 greedy requests (--workload heldout: the first --prompt-tokens tokens of held-out corpus
 files, unseen in training; repetitive: a short repeated code snippet) and reports the mean
 acceptance length (tokens committed per request per verify step = accepted drafts + 1) and
-decode tokens/s, beside the same run with speculation off. Checks that every configuration
+decode tokens/s, beside the same run with speculation off, for each --policies entry (fixed:
+every decode step verifies k drafts; adaptive: the engine picks k or a plain decode per step).
+Per speculative row it also reports, as multiples of a plain decode step of the
+speculation-off run (medians): `verify_x`, a verify step without its drafting (the target's
+forward over k+1 rows, acceptance, commit); `draft_x`, the proposer's time per verify step
+divided by k (one draft step, the MTP catch-up included); and the share of decode steps that
+verified. Checks that every configuration
 returns the same tokens as speculation off: `same` counts requests with identical tokens,
 `near_ties` those that part where the plain run's top-2 logit gap is below --tie-eps (one
 bf16 ulp at logit scale ~4-8 is 0.03), `diff` those that part anywhere else (a bug). Prints
@@ -12,12 +18,14 @@ a table and writes JSON.
 
     python benchmarks/bench_spec.py --out spec.json [--model PATH] [--device cuda]
     python benchmarks/bench_spec.py --workload heldout --corpus build/corpus --batches 1,32
+    python benchmarks/bench_spec.py --policies fixed,adaptive --batches 1,8,32,64 --ks 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -60,10 +68,11 @@ def sync(device: str) -> None:
 
 def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
         max_tokens: int, args: argparse.Namespace, dtype: str = "auto",
-        fold: bool = True) -> dict:
+        fold: bool = True, policy: str = "fixed") -> dict:
     kw = {}
     if algo is not None:
-        kw = dict(speculative_algorithm=algo, speculative_num_steps=k)
+        kw = dict(speculative_algorithm=algo, speculative_num_steps=k,
+                  speculative_policy=policy)
     llm = LLM(model, device=device, dtype=dtype, enable_prefix_cache=False,
               max_running_reqs=max(batch, 8), **kw)
     llm.engine.runner.fold_replay = fold
@@ -75,14 +84,51 @@ def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
     eng = llm.engine
     eng.spec_steps = eng.spec_committed = 0
     gaps = record_gaps(llm, prompts, params) if algo is None else {}
-    outs = llm.generate(prompts, params) if algo is not None else None
-    tokens = [o.token_ids for o in outs] if outs is not None else gaps.pop("tokens")
+    costs = step_costs(llm, prompts, params, device) if algo is not None else {}
+    tokens = costs.pop("tokens") if algo is not None else gaps.pop("tokens")
     name = (algo or "off") + ("" if fold else "/unf")
     return {"algo": name, "k": k if algo else 0, "batch": batch,
+            "policy": policy if algo else "-",
             "decode_tok_s": batch * (max_tokens - 1) / max(decode_s, 1e-9),
+            "step_s": decode_s / max(max_tokens - 1, 1),
             "acceptance_length": eng.acceptance_length if algo is not None else None,
             "tokens": tokens,
-            "gaps": gaps.get("gaps")}
+            "gaps": gaps.get("gaps"), **costs}
+
+
+def step_costs(llm: LLM, prompts: list[list[int]], params: SamplingParams,
+               device: str) -> dict:
+    """An extra run that records each decode step's wall time (the policy's own measure) and
+    the proposer's time per verify step (synchronised around it): median seconds of verify
+    steps, of plain decode steps, of drafting, and the share of steps that verified."""
+    eng = llm.engine
+    steps: list[tuple[int, float]] = []
+    drafting: list[float] = []
+    on_step, propose = eng.policy.on_step, eng.spec.propose
+
+    def recording_step(k, batch_size, seconds):
+        steps.append((k, seconds))
+        on_step(k, batch_size, seconds)
+
+    def timed_propose(batch):
+        sync(device)
+        t0 = time.perf_counter()
+        propose(batch)
+        sync(device)
+        drafting.append(time.perf_counter() - t0)
+
+    eng.policy.on_step, eng.spec.propose = recording_step, timed_propose
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        eng.policy.on_step, eng.spec.propose = on_step, propose
+    verify = [s for k, s in steps if k]
+    plain = [s for k, s in steps if not k]
+    return {"tokens": [o.token_ids for o in outs],
+            "verify_step_s": statistics.median(verify) if verify else None,
+            "plain_step_s": statistics.median(plain) if plain else None,
+            "draft_s": statistics.median(drafting) if drafting else None,
+            "verify_share": len(verify) / max(len(steps), 1)}
 
 
 def time_decode(llm: LLM, prompts: list[list[int]], one: SamplingParams,
@@ -155,6 +201,8 @@ def main() -> None:
     ap.add_argument("--workload", choices=["repetitive", "heldout"], default="repetitive")
     ap.add_argument("--corpus", default="build/corpus", help="for --workload heldout")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="for --workload heldout")
+    ap.add_argument("--policies", default="fixed",
+                    help="speculation policies to run, comma-separated: fixed, adaptive")
     args = ap.parse_args()
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -163,17 +211,28 @@ def main() -> None:
         for algo in ("ngram", "mtp"):
             for k in [int(x) for x in args.ks.split(",")]:
                 for fold in (True, False) if args.unfolded else (True,):
-                    r = run(args.model, args.device, algo, k, batch, args.max_tokens, args,
-                            args.dtype, fold)
-                    r.update(compare(base, r, args.tie_eps))
-                    r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
-                    rows.append(r)
-    print(f"{'algo':10s} {'k':>2s} {'batch':>5s} {'tok/s':>9s} {'accept':>7s} {'speedup':>7s} "
-          "same/near-tie/diff")
+                    for policy in args.policies.split(","):
+                        r = run(args.model, args.device, algo, k, batch, args.max_tokens,
+                                args, args.dtype, fold, policy)
+                        r.update(compare(base, r, args.tie_eps))
+                        r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
+                        plain_s, v, d = base["step_s"], r["verify_step_s"], r["draft_s"]
+                        r["verify_x"] = (v - d) / plain_s if v and d is not None else None
+                        r["draft_x"] = d / k / plain_s if d is not None else None
+                        rows.append(r)
+    print(f"{'algo':10s} {'policy':8s} {'k':>2s} {'batch':>5s} {'tok/s':>9s} {'accept':>7s} "
+          f"{'speedup':>7s} {'verify_x':>8s} {'draft_x':>7s} {'verify%':>7s} same/near-tie/diff")
+
+    def fmt(x, spec: str) -> str:
+        return format(x, spec) if x is not None else "-"
+
     for r in rows:
-        acc = f"{r['acceptance_length']:.2f}" if r.get("acceptance_length") else "-"
-        print(f"{r['algo']:10s} {r['k']:2d} {r['batch']:5d} {r['decode_tok_s']:9.1f} {acc:>7s} "
-              f"{r.get('speedup', 1.0):7.2f} "
+        share = r.get("verify_share")
+        print(f"{r['algo']:10s} {r['policy']:8s} {r['k']:2d} {r['batch']:5d} "
+              f"{r['decode_tok_s']:9.1f} {fmt(r.get('acceptance_length'), '.2f'):>7s} "
+              f"{r.get('speedup', 1.0):7.2f} {fmt(r.get('verify_x'), '.2f'):>8s} "
+              f"{fmt(r.get('draft_x'), '.2f'):>7s} "
+              f"{fmt(share * 100 if share is not None else None, '.0f'):>7s} "
               f"{r.get('same', '-')}/{r.get('near_ties', '-')}/{r.get('diff', '-')}")
     for r in rows:
         r.pop("tokens")

@@ -40,6 +40,7 @@ class EngineConfig:
     decode_rows_per_req: int = 1  # k + 1 with speculative decoding
     speculative_algorithm: str | None = None  # mtp | ngram
     speculative_num_steps: int = 0  # drafts per verify step; 0: DEFAULT_SPECULATIVE_STEPS
+    speculative_policy: str = "adaptive"  # fixed: always k drafts; adaptive: k or 0 per step
     radix_lookahead: bool | None = None  # lookahead radix keys; None: on exactly for mtp
     cuda_graphs: bool = True
     log_every: int = 0  # step log line every N steps; 0 = off
@@ -108,5 +109,7 @@ class EngineConfig:
         if self.speculative_algorithm is not None and not 0 <= self.speculative_num_steps <= 8:
             raise ValueError("speculative_num_steps must be in 1..8 (or 0: the default, "
                              f"{DEFAULT_SPECULATIVE_STEPS}) with a speculative algorithm")
+        if self.speculative_policy not in ("fixed", "adaptive"):
+            raise ValueError("speculative_policy must be fixed or adaptive")
         if self.speculative_algorithm is None and self.speculative_num_steps:
             raise ValueError("speculative_num_steps needs --speculative-algorithm")

@@ -67,7 +67,8 @@ def test_gpu_speculation_on_and_off_give_the_same_tokens_with_cuda_graphs(ckpt, 
     batch = [tokens(n, seed=n + 1) for n in (5, 60, 130)]
     graphs = make(ckpt, max_running_reqs=8)
     eager = make(ckpt, max_running_reqs=8, cuda_graphs=False)
-    spec = make(ckpt, max_running_reqs=8, speculative_algorithm=algo, speculative_num_steps=3)
+    spec = make(ckpt, max_running_reqs=8, speculative_algorithm=algo, speculative_num_steps=3,
+                speculative_policy="fixed")
     assert graphs.engine.graphs is not None and spec.engine.graphs is not None
     off = [o.token_ids for o in graphs.generate(batch, GREEDY)]
     ref_eager = [o.token_ids for o in eager.generate(batch, GREEDY)]
@@ -90,7 +91,7 @@ def test_gpu_kernels_fold_the_accepted_rows_into_the_next_verify_and_keep_the_to
     batch = [tokens(n, seed=n + 7) for n in (9, 70)]
     plain = make(ckpt_k32, max_running_reqs=4)
     spec = make(ckpt_k32, max_running_reqs=4, speculative_algorithm="ngram",
-                speculative_num_steps=3)
+                speculative_num_steps=3, speculative_policy="fixed")
     off = [o.token_ids for o in plain.generate(batch, GREEDY)]
     on = [o.token_ids for o in spec.generate(batch, GREEDY)]
     pool = spec.engine.state_pool

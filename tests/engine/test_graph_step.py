@@ -43,7 +43,7 @@ def test_buckets_cover_the_limit_with_powers_of_two():
 def test_padded_fixed_shape_steps_give_the_eager_tokens(ckpt, spec):
     kw = dict(device="cpu", dtype="float32", num_pages=512, page_size=16, max_running_reqs=6)
     if spec:
-        kw.update(speculative_algorithm=spec, speculative_num_steps=3)
+        kw.update(speculative_algorithm=spec, speculative_num_steps=3, speculative_policy="fixed")
     eager = LLM(ckpt, **kw)
     static = LLM(ckpt, **kw)
     runner = with_static_steps(static)

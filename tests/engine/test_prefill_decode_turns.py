@@ -44,10 +44,12 @@ def test_decoding_requests_advance_between_the_chunks_of_a_long_prompt(tmp_path,
             tokens[out.rid].extend(out.new_token_ids)
     # the long prompt's 10 chunks, a step of the short request (still decoding then: 40
     # tokens, at most 3 a step) between every two of them
-    decode = Phase.VERIFY if spec else Phase.DECODE
+    # (with speculation the adaptive policy runs verify or plain decode steps)
+    decode = {Phase.VERIFY, Phase.DECODE} if spec else {Phase.DECODE}
     last = max(i for i, phase in enumerate(phases) if phase is Phase.PREFILL)
     turns = phases[:last + 1]
-    assert turns.count(Phase.PREFILL) == 10 and set(turns) == {Phase.PREFILL, decode}
+    assert turns.count(Phase.PREFILL) == 10 and set(turns) - {Phase.PREFILL} <= decode
+    assert set(turns) != {Phase.PREFILL}
     assert all((a is Phase.PREFILL) != (b is Phase.PREFILL) for a, b in zip(turns, turns[1:]))
     alone = LLM(path, **kw)
     for rid, prompt in ((short, short_prompt), (long, long_prompt)):

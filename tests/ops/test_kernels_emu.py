@@ -310,7 +310,8 @@ def test_emulated_engine_folds_the_accepted_rows_into_the_next_verify_and_keeps_
     batch = [random_tokens(n, seed=n + 7) for n in (9, 40)]
     kw = dict(device="cpu", dtype="float32", num_pages=256, page_size=16, max_running_reqs=4)
     plain = LLM(ckpt, **kw)
-    spec = LLM(ckpt, speculative_algorithm="ngram", speculative_num_steps=3, **kw)
+    spec = LLM(ckpt, speculative_algorithm="ngram", speculative_num_steps=3,
+               speculative_policy="fixed", **kw)
     off = [o.token_ids for o in plain.generate(batch, greedy)]
     on = [o.token_ids for o in spec.generate(batch, greedy)]
     pool = spec.engine.state_pool

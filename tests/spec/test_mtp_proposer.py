@@ -54,7 +54,8 @@ def oracle_mtp_logits(path: str, seq: list[int]) -> torch.Tensor:
 
 def test_mtp_drafts_equal_the_head_run_over_the_whole_sequence(ckpt):
     spec = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=4,
-               speculative_algorithm="mtp", speculative_num_steps=2)
+               speculative_algorithm="mtp", speculative_num_steps=2,
+               speculative_policy="fixed")
     proposer = spec.engine.spec.proposer
     seen: list[tuple[list[int], int, torch.Tensor]] = []
     propose = proposer.propose

@@ -39,6 +39,9 @@ def slow_ckpt(tmp_path_factory):
 
 
 def llm(ckpt: str, **kw) -> LLM:
+    """Every decode step verifies (these tests are about what a verify commits)."""
+    if "speculative_algorithm" in kw:
+        kw.setdefault("speculative_policy", "fixed")
     return LLM(ckpt, device="cpu", dtype="float32", num_pages=1024, page_size=16, **kw)
 
 
@@ -138,7 +141,7 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_text_and_the_tokens(tmp_p
                    and tok.decode([t]) not in tok.decode(p.token_ids[:i]))
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
     spec = LLM(str(path), device="cpu", dtype="float32", num_pages=256, page_size=16,
-               speculative_algorithm="ngram", speculative_num_steps=4)
+               speculative_algorithm="ngram", speculative_num_steps=4, speculative_policy="fixed")
     spec.engine.spec.proposer = OracleProposer(4, {tuple(prompt): p.token_ids})
     (out,) = spec.generate([prompt], params)
     assert out.finish_reason == "stop"

@@ -70,7 +70,8 @@ def test_speculative_greedy_equals_plain_greedy_for_every_accept_count(ckpt, k):
     plain = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=16)
     plain_outs = [o.token_ids for o in plain.generate(batch, GREEDY)]
     spec = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=16,
-               speculative_algorithm="ngram", speculative_num_steps=k)
+               speculative_algorithm="ngram", speculative_num_steps=k,
+               speculative_policy="fixed")
     stub = StubProposer(k, {tuple(p): o for p, o in zip(batch, plain_outs)}, 512)
     spec.engine.spec.proposer = stub
     # requests at different positions: stagger them by different max_tokens and arrival
@@ -89,7 +90,8 @@ def test_requests_joining_mid_run_stay_exact(ckpt):
     plain = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=4)
     plain_outs = [o.token_ids for o in plain.generate(batch, GREEDY)]
     spec = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=4,
-               speculative_algorithm="ngram", speculative_num_steps=k)
+               speculative_algorithm="ngram", speculative_num_steps=k,
+               speculative_policy="fixed")
     spec.engine.spec.proposer = StubProposer(k, {tuple(p): o for p, o in zip(batch, plain_outs)},
                                              512)
     eng, got = spec.engine, {}

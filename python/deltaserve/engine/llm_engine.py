@@ -26,6 +26,7 @@ from deltaserve.engine.sampling import SamplingRow, sample_rows
 from deltaserve.engine.spec_protocol import load_spec_runtime
 from deltaserve.ops._ext import KERNEL_HEAD_DIMS
 from deltaserve.scheduler.scheduler import Scheduler
+from deltaserve.spec.policy import build_policy
 
 logger = logging.getLogger("deltaserve.engine")
 
@@ -114,14 +115,22 @@ class LLMEngine:
                                   cfg.max_running_reqs, cfg.decode_rows_per_req,
                                   draft_kv=self.draft_kv)
         self.spec = load_spec_runtime(cfg, self.model, self.runner)
-        self.graphs = None
+        # adaptive: each decode step verifies k drafts or runs a plain decode (spec/policy.py)
+        self.policy = (build_policy(cfg.speculative_policy, cfg.speculative_num_steps)
+                       if self.spec is not None else None)
+        self.graphs = None  # verify graphs with speculation, else decode graphs
+        self.decode_graphs = None  # the plain decode steps an adaptive policy picks
         # MoE routing syncs with the host (torch.unique): not capturable yet
         if cfg.cuda_graphs and self.device.type == "cuda" and mc.num_experts == 0:
             self.graphs = GraphRunner(self.runner, cfg.max_running_reqs,
                                       cfg.decode_rows_per_req, self.max_model_len)
+            if self.policy is not None and cfg.speculative_policy != "fixed":
+                self.decode_graphs = GraphRunner(self.runner, cfg.max_running_reqs, 1,
+                                                 self.max_model_len)
         self.scheduler = Scheduler(cfg, self.page_pool, self.state_pool, self.prefix_cache,
                                    self.eos_ids,
-                                   on_release=self.spec.release if self.spec else None)
+                                   on_release=self._release if self.spec else None,
+                                   choose_drafts=self.policy.choose if self.policy else None)
         longest = self.scheduler.max_request_len()
         if longest < 2:  # a one-token prompt and one output token
             raise ValueError(f"num_pages: the KV page pool cannot hold even a 2-token request "
@@ -249,6 +258,7 @@ class LLMEngine:
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; return the outputs of requests that advanced."""
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -257,8 +267,9 @@ class LLMEngine:
             spec.propose(batch)
         keep_hidden = spec is not None and spec.wants_hidden
         out = None
-        if self.graphs is not None and batch.phase is not Phase.PREFILL:
-            out = self.graphs.forward(batch, keep_hidden)
+        graphs = self.decode_graphs if batch.phase is Phase.DECODE and spec else self.graphs
+        if graphs is not None and batch.phase is not Phase.PREFILL:
+            out = graphs.forward(batch, keep_hidden)
         if out is None:
             out = self.runner.forward(batch, keep_hidden)
         if spec is not None:
@@ -277,6 +288,8 @@ class LLMEngine:
                 sampled.setdefault(req.rid, []).append(tok)
             self.scheduler.process(batch, sampled)
         self.num_steps += 1
+        if self.policy is not None and batch.phase is not Phase.PREFILL:
+            self.policy.on_step(batch.rows_per_req - 1, batch.size, time.perf_counter() - start)
         self._log_step(batch)
         outputs = []
         now = time.monotonic()
@@ -301,9 +314,14 @@ class LLMEngine:
     def _commit_verify(self, batch, counts: list[int]) -> None:
         self.runner.commit_verify(counts)
         self.spec.on_commit(batch, counts)
+        self.policy.on_verify(batch.reqs, counts)
         live = [c for c in counts if c > 0]
         self.spec_steps += len(live)
         self.spec_committed += sum(live)
+
+    def _release(self, req: Req) -> None:
+        self.spec.release(req)
+        self.policy.release(req)
 
     @property
     def acceptance_length(self) -> float | None:
@@ -318,9 +336,10 @@ class LLMEngine:
         cached = sum(r.cached_len for r in batch.reqs) if batch.phase is Phase.PREFILL else 0
         pool, host = self.page_pool, self.prefix_cache.host_usage()
         logger.info(
-            "step %d %s batch: #req %d, #new-token %d, #cached-token %d, pages %d/%d used, "
-            "#slots %d/%d used on device, #host-slots %d/%d used, running %d, waiting %d",
-            self.num_steps, batch.phase.value, batch.size, new, cached,
+            "step %d %s batch: #req %d, k %d, #new-token %d, #cached-token %d, pages %d/%d "
+            "used, #slots %d/%d used on device, #host-slots %d/%d used, running %d, waiting %d",
+            self.num_steps, batch.phase.value, batch.size,
+            batch.rows_per_req - 1 if batch.phase is not Phase.PREFILL else 0, new, cached,
             pool.num_pages - 1 - pool.num_free, pool.num_pages - 1,
             self.state_pool.num_slots - 1 - self.state_pool.num_free,
             self.state_pool.num_slots - 1, host.n_used, host.n_slots,

@@ -42,8 +42,13 @@ class Scheduler:
 
     def __init__(self, cfg: EngineConfig, page_pool: PagePool, state_pool: GDNStatePool,
                  cache: PrefixCache, eos_ids: set[int],
-                 on_release: Callable[[Req], None] | None = None) -> None:
+                 on_release: Callable[[Req], None] | None = None,
+                 choose_drafts: Callable[[list[Req]], int] | None = None) -> None:
+        """choose_drafts(decoding requests) -> drafts per request for the next decode step:
+        0 (a plain decode batch) or decode_rows_per_req - 1 (a verify batch); None: always
+        the latter (spec/policy.py says why there is nothing in between)."""
         self.cfg = cfg
+        self.choose_drafts = choose_drafts
         self.page_pool, self.state_pool, self.cache = page_pool, state_pool, cache
         self.page_size = cfg.page_size
         self.grid = math.lcm(cfg.snapshot_grid, cfg.page_size)
@@ -215,6 +220,9 @@ class Scheduler:
         if not decoding:
             return None
         rows = self.cfg.decode_rows_per_req
+        if self.choose_drafts is not None and rows > 1:
+            rows = 1 + self.choose_drafts(decoding)
+            assert rows in (1, self.cfg.decode_rows_per_req), rows
         for req in decoding:
             self._ensure_pages(req, req.device_len + rows)
             if rows > 1:

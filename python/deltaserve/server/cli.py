@@ -44,6 +44,9 @@ _HELP = {
     "speculative_algorithm": "mtp or ngram",
     "speculative_num_steps": "drafts per verify step, 1..8 (0 or unset: 3; needs "
                              "--speculative-algorithm)",
+    "speculative_policy": "fixed (every decode step verifies k drafts) or adaptive (each step "
+                          "runs k drafts or a plain decode, whichever the measured step costs "
+                          "and running acceptance say is faster)",
     "cuda_graphs": "run decode without CUDA graphs",
     "log_every": "log a step line every N steps (0: off)",
     "seed": "engine random seed",

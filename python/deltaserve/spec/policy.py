@@ -1,0 +1,140 @@
+"""Per-step speculation policies: how many drafts (k) a decode step of the running batch runs.
+
+A step runs either a plain decode (k = 0: one row per request, no proposer call) or a verify of
+K + 1 rows per request (K = --speculative-num-steps). Verify steps are captured as CUDA graphs
+of exactly K + 1 rows, so a verify with fewer drafts costs the same as one with K: the choice
+that changes the cost is between 0 and K. Greedy output never depends on the choice (a verify
+commits what plain decoding would).
+
+`AdaptivePolicy` speculates when the tokens a verify step is expected to commit per request
+(each request's running acceptance length) beat what the measured cost ratio of a verify step
+to a decode step at this batch size demands. The costs are the engine's wall time per step
+(forward, proposer, sampling and host work alike), kept per batch-size bucket as the median of
+the last few steps of each kind, so a first step that captures a CUDA graph does not skew them.
+Both kinds are measured at start and refreshed every `explore_every` steps of a bucket, so the
+policy notices when a workload turns repetitive (or stops being so).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from deltaserve.core import Req
+
+
+def batch_bucket(n: int) -> int:
+    """The power of two at or above n (the batch-size buckets of the CUDA graphs)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+class SpecPolicy(Protocol):
+    """What the engine asks before each decode step and tells after it."""
+
+    def choose(self, reqs: list[Req]) -> int:
+        """Drafts per request for a decode step of `reqs`: 0 or the configured K."""
+
+    def on_step(self, k: int, batch_size: int, seconds: float) -> None:
+        """A decode step that ran k drafts for `batch_size` requests took `seconds` (wall)."""
+
+    def on_verify(self, reqs: list[Req], committed: list[int]) -> None:
+        """After a verify step: committed[i] tokens (1..K+1; 0 if aborted) for reqs[i]."""
+
+    def release(self, req: Req) -> None:
+        """`req` finished or was aborted."""
+
+
+class FixedPolicy:
+    """Always K drafts (`--speculative-policy fixed`)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def choose(self, reqs: list[Req]) -> int:
+        return self.k
+
+    def on_step(self, k: int, batch_size: int, seconds: float) -> None:
+        pass
+
+    def on_verify(self, reqs: list[Req], committed: list[int]) -> None:
+        pass
+
+    def release(self, req: Req) -> None:
+        pass
+
+
+class AdaptivePolicy:
+    """Speculate iff mean acceptance length >= verify cost / decode cost (see module doc).
+
+    k: the configured K (>= 1). window: steps per cost median. explore_every: after this many
+    steps of one bucket, the other kind runs once. smoothing: weight of the newest verify in
+    a request's acceptance length (an exponential moving average). prior: the acceptance
+    length assumed for a request before its first verify (the running mean over finished
+    verifies once there is one).
+    """
+
+    def __init__(self, k: int, window: int = 8, explore_every: int = 32,
+                 smoothing: float = 0.3, prior: float | None = None) -> None:
+        if k < 1:
+            raise ValueError("the adaptive policy needs k >= 1 drafts")
+        self.k, self.window, self.explore_every = k, window, explore_every
+        self.smoothing = smoothing
+        self.prior = prior if prior is not None else 1.0 + k / 2
+        self._costs: dict[tuple[int, int], deque[float]] = {}
+        self._since_other: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+        self._accept: dict[int, float] = {}  # rid -> acceptance length (EMA)
+        self._global = self.prior
+
+    def cost(self, k: int, batch_size: int) -> float | None:
+        """Median seconds of the last `window` steps of k drafts in this batch's bucket."""
+        samples = self._costs.get((batch_bucket(batch_size), k))
+        return statistics.median(samples) if samples else None
+
+    def acceptance(self, req: Req) -> float:
+        return self._accept.get(req.rid, self._global)
+
+    def choose(self, reqs: list[Req]) -> int:
+        b = batch_bucket(len(reqs))
+        verify, decode = self.cost(self.k, len(reqs)), self.cost(0, len(reqs))
+        if verify is None:
+            return self.k
+        if decode is None:
+            return 0
+        mean_len = sum(self.acceptance(r) for r in reqs) / len(reqs)
+        best = self.k if mean_len * decode >= verify else 0
+        if self._since_other.get(b, 0) >= self.explore_every:
+            return self.k - best  # the other kind, once, to refresh its cost and acceptance
+        return best
+
+    def on_step(self, k: int, batch_size: int, seconds: float) -> None:
+        b = batch_bucket(batch_size)
+        self._costs.setdefault((b, k), deque(maxlen=self.window)).append(seconds)
+        if k == self._last.get(b, k):
+            self._since_other[b] = self._since_other.get(b, 0) + 1
+        else:
+            self._since_other[b] = 0
+        self._last[b] = k
+
+    def on_verify(self, reqs: list[Req], committed: list[int]) -> None:
+        a = self.smoothing
+        for req, n in zip(reqs, committed):
+            if n <= 0:
+                continue
+            old = self._accept.get(req.rid, self._global)
+            self._accept[req.rid] = (1 - a) * old + a * n
+            self._global = (1 - a / 8) * self._global + (a / 8) * n
+
+    def release(self, req: Req) -> None:
+        self._accept.pop(req.rid, None)
+
+
+def build_policy(name: str, k: int) -> FixedPolicy | AdaptivePolicy:
+    """The policy named by `--speculative-policy` (fixed | adaptive) for K = k drafts."""
+    if name == "fixed":
+        return FixedPolicy(k)
+    if name == "adaptive":
+        return AdaptivePolicy(k)
+    raise ValueError(f"speculative_policy must be fixed or adaptive, not {name!r}")

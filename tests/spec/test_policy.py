@@ -1,0 +1,164 @@
+"""The speculation policy: the decision rule on measured costs, and exactness when a policy
+mixes plain decode steps (k = 0) between verify steps (CPU, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+from test_verify_contract import StubProposer, prompts
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.model.testing import make_tiny_checkpoint
+from deltaserve.spec.policy import AdaptivePolicy, FixedPolicy, batch_bucket, build_policy
+from drained import assert_drained
+from oracle import assert_same_runs, reference_greedy
+
+
+class _R:
+    def __init__(self, rid: int) -> None:
+        self.rid = rid
+
+
+def fed(policy: AdaptivePolicy, n: int, verify_s: float, decode_s: float) -> None:
+    for _ in range(policy.window):
+        policy.on_step(policy.k, n, verify_s)
+        policy.on_step(0, n, decode_s)
+
+
+def test_batch_buckets_are_the_next_power_of_two():
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 31, 32, 33)] == [1, 2, 4, 4, 8, 32, 32, 64]
+
+
+def test_the_policy_measures_a_verify_then_a_decode_before_it_decides():
+    p = AdaptivePolicy(3)
+    reqs = [_R(0)]
+    assert p.choose(reqs) == 3
+    p.on_step(3, 1, 2.0)
+    assert p.choose(reqs) == 0
+    p.on_step(0, 1, 1.0)
+    assert p.cost(3, 1) == 2.0 and p.cost(0, 1) == 1.0
+
+
+@pytest.mark.parametrize("committed, want", [(3, 3), (4, 3), (1, 0), (2, 0)])
+def test_it_speculates_iff_acceptance_beats_the_cost_ratio(committed, want):
+    p = AdaptivePolicy(3, explore_every=10**9, smoothing=1.0)
+    reqs = [_R(0), _R(1)]
+    fed(p, 2, verify_s=2.5, decode_s=1.0)  # a verify must commit 2.5 tokens to pay
+    p.on_verify(reqs, [committed, committed])
+    assert p.acceptance(reqs[0]) == committed
+    assert p.choose(reqs) == want
+
+
+def test_costs_are_medians_so_one_graph_capture_does_not_flip_the_choice():
+    p = AdaptivePolicy(3, explore_every=10**9, smoothing=1.0)
+    reqs = [_R(0)]
+    fed(p, 1, verify_s=1.5, decode_s=1.0)
+    p.on_verify(reqs, [3])
+    p.on_step(3, 1, 500.0)  # a first step that captured a graph
+    assert p.cost(3, 1) == 1.5
+    assert p.choose(reqs) == 3
+
+
+def test_buckets_keep_their_own_costs():
+    p = AdaptivePolicy(3, explore_every=10**9, smoothing=1.0)
+    fed(p, 1, verify_s=1.2, decode_s=1.0)
+    fed(p, 32, verify_s=4.0, decode_s=1.0)
+    one, many = [_R(0)], [_R(i) for i in range(32)]
+    p.on_verify(many, [2] * 32)
+    assert p.choose(one) == 3 and p.choose(many) == 0
+
+
+def test_the_other_kind_runs_once_every_explore_every_steps():
+    p = AdaptivePolicy(3, explore_every=4, smoothing=1.0)
+    reqs = [_R(0)]
+    fed(p, 1, verify_s=3.0, decode_s=1.0)
+    p.on_verify(reqs, [1])
+    chosen = []
+    for _ in range(12):
+        k = p.choose(reqs)
+        chosen.append(k)
+        p.on_step(k, 1, 3.0 if k else 1.0)
+    assert chosen.count(3) == 2 and chosen.count(0) == 10
+    assert [i for i, k in enumerate(chosen) if k] == [4, 10]  # 4 decodes, then 1 verify
+
+
+def test_a_new_request_starts_from_the_running_mean_and_release_forgets_it():
+    p = AdaptivePolicy(3, prior=2.0, smoothing=1.0)
+    r = _R(7)
+    assert p.acceptance(r) == 2.0
+    p.on_verify([r], [4])
+    assert p.acceptance(r) == 4.0
+    p.release(r)
+    assert 2.0 < p.acceptance(r) < 4.0
+
+
+def test_policy_names():
+    assert isinstance(build_policy("fixed", 3), FixedPolicy)
+    assert build_policy("fixed", 3).choose([_R(0)]) == 3
+    assert isinstance(build_policy("adaptive", 3), AdaptivePolicy)
+    with pytest.raises(ValueError, match="fixed or adaptive"):
+        build_policy("greedy", 3)
+    with pytest.raises(ValueError, match="speculative_policy"):
+        LLM(None, device="cpu", speculative_algorithm="ngram", speculative_policy="sometimes")
+
+
+class PatternPolicy(FixedPolicy):
+    """k or 0 by a fixed pattern over steps: runs of plain decode between verify steps."""
+
+    def __init__(self, k: int, pattern: str) -> None:
+        super().__init__(k)
+        self.pattern, self.steps, self.seen = pattern, 0, []
+
+    def choose(self, reqs):
+        k = self.k if self.pattern[self.steps % len(self.pattern)] == "v" else 0
+        self.steps += 1
+        self.seen.append(k)
+        return k
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("policy") / "m", "qwen3_5_text",
+                                    seed=5))
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("algo, pattern", [("ngram", "vdvvdd"), ("mtp", "dvvdv")])
+def test_plain_decode_steps_between_verify_steps_keep_greedy_exact(ckpt, algo, pattern):
+    batch = prompts(seed=3)
+    path = ckpt
+    plain = LLM(path, device="cpu", dtype="float32", num_pages=512, page_size=16)
+    plain_outs = [o.token_ids for o in plain.generate(batch, GREEDY)]
+    spec = LLM(path, device="cpu", dtype="float32", num_pages=512, page_size=16,
+               speculative_algorithm=algo, speculative_num_steps=3)
+    eng = spec.engine
+    policy = PatternPolicy(3, pattern)
+    eng.policy = policy
+    eng.scheduler.choose_drafts = policy.choose
+    if algo == "ngram":
+        eng.spec.proposer = StubProposer(3, {tuple(p): o for p, o in zip(batch, plain_outs)},
+                                         512)
+    outs = spec.generate(batch, GREEDY)
+    for prompt, ours, ref_plain in zip(batch, outs, plain_outs):
+        ref = reference_greedy(path, prompt, GREEDY.max_tokens)
+        assert_same_runs(ours.token_ids, ref_plain, ref, f"{algo} {pattern} len {len(prompt)}")
+    assert 0 in policy.seen and 3 in policy.seen
+    assert_drained(eng)
+
+
+def test_the_adaptive_default_stays_exact_and_runs_both_kinds(ckpt):
+    batch = prompts(seed=4)
+    plain = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=16)
+    plain_outs = [o.token_ids for o in plain.generate(batch, GREEDY)]
+    spec = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=16,
+               speculative_algorithm="ngram", speculative_num_steps=3)
+    eng = spec.engine
+    assert isinstance(eng.policy, AdaptivePolicy)
+    seen = []
+    choose = eng.policy.choose
+    eng.scheduler.choose_drafts = lambda reqs: seen.append(choose(reqs)) or seen[-1]
+    outs = spec.generate(batch, GREEDY)
+    assert [o.token_ids for o in outs] == plain_outs
+    assert 0 in seen and 3 in seen  # it measured both before deciding
+    assert_drained(eng)
