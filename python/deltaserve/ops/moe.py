@@ -1,0 +1,175 @@
+"""The sparse MoE block's ops: routing, expert compute and the weighted combine.
+
+Two forms of the expert compute, the same math:
+- `experts_reference`: a Python loop over the experts this batch hits (transformers'
+  `Qwen3_5MoeExperts.forward`, same rounding points). It syncs with the host (the hit list and
+  one `where` per expert) and has data-dependent shapes: the CPU path and the oracle.
+- `experts_grouped`: static shapes, no host sync, CUDA-graph safe. The T·k (token, slot) pairs
+  are sorted by expert (`argsort`, stable), the per-expert row ranges found on the device
+  (`searchsorted` over the sorted ids), and the two expert GEMMs run as grouped GEMMs over the
+  stacked weights (`torch._grouped_mm`, one group per expert, device offsets): each selected
+  expert's weights are read once per step whatever the batch size, and unselected experts
+  (empty groups) are not read at all. The combine un-sorts the rows and reduces the k expert
+  outputs per token in fp32 with the routing weights and, when given, the shared expert's
+  output times its sigmoid gate, rounding once.
+
+`torch._grouped_mm` runs without a host sync only on its CUTLASS path: CUDA (not ROCm), bf16,
+compute capability 9.x or 10.x (torch 2.10-2.14: aten/src/ATen/native/cuda/GroupedBlas.cpp,
+`_grouped_mm_cuda`; every other case is `_grouped_mm_fallback`, which copies the offsets to
+the host). `grouped_is_graph_safe` says when; `moe_experts` picks the grouped form only then
+and the reference loop otherwise. On CPU torch 2.14 has a grouped-mm kernel (any float dtype),
+which is what the CPU tests of the grouped form run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def route(logits: torch.Tensor, top_k: int,
+          norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax router (transformers' `Qwen3_5MoeTopKRouter` / `Qwen3NextTopKRouter`).
+
+    logits [T, E] (the router GEMM's output, activation dtype) -> (top_weight [T, k] in
+    logits' dtype, top_idx [T, k] int64). Softmax in fp32, `torch.topk` on the probabilities
+    (ties: the same experts as transformers on the same device, since it is the same call),
+    then, when `norm_topk_prob`, the k weights divided by their sum (in fp32), cast once.
+    Static shapes, no host sync. Raises ValueError when top_k is not in 1..E.
+    """
+    if not 1 <= top_k <= logits.shape[-1]:
+        raise ValueError(f"top_k must be in 1..{logits.shape[-1]} (the number of experts), "
+                         f"got {top_k}")
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    top_weight, top_idx = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        top_weight = top_weight / top_weight.sum(dim=-1, keepdim=True)
+    return top_weight.to(logits.dtype), top_idx
+
+
+def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_idx: torch.Tensor,
+           top_weight: torch.Tensor) -> None:
+    e, two_i, h = gate_up.shape
+    if x.dim() != 2 or x.shape[1] != h:
+        raise ValueError(f"x must be [T, {h}], got {list(x.shape)}")
+    if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
+        raise ValueError(f"down must be [{e}, {h}, {two_i // 2}] for gate_up "
+                         f"{list(gate_up.shape)}, got {list(down.shape)}")
+    if top_idx.dim() != 2 or top_idx.shape[0] != x.shape[0] or top_idx.dtype != torch.int64:
+        raise ValueError(f"top_idx must be [T={x.shape[0]}, k] int64, got "
+                         f"{list(top_idx.shape)} {top_idx.dtype}")
+    if top_weight.shape != top_idx.shape:
+        raise ValueError(f"top_weight must be {list(top_idx.shape)}, got {list(top_weight.shape)}")
+
+
+def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                      top_idx: torch.Tensor, top_weight: torch.Tensor) -> torch.Tensor:
+    """Σ_j top_weight[t, j] · expert_{top_idx[t, j]}(x[t]), looping over the experts hit.
+
+    x [T, H]; gate_up [E, 2I, H] (rows [gate (I) | up (I)]); down [E, H, I]; top_idx [T, k]
+    int64; top_weight [T, k] in x's dtype -> [T, H] in x's dtype. expert_e(v) = down_e ·
+    (silu(gate_e v) · up_e v). Each expert's weighted output is rounded to x's dtype and
+    accumulated with `index_add_` in x's dtype, expert by expert in ascending order
+    (transformers' `Qwen3_5MoeExperts.forward`). Syncs with the host: not graph safe.
+    """
+    _check(x, gate_up, down, top_idx, top_weight)
+    out = torch.zeros_like(x)
+    for e in torch.unique(top_idx).tolist():
+        rows, slot = torch.where(top_idx == e)
+        gate, up = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[e]) * top_weight[rows, slot, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+    return out
+
+
+class ExpertRows:
+    """The (token, slot) pairs of a batch sorted by expert, all device tensors, static shapes.
+
+    order [T·k] int64: flat pair index (t·k + j) of each sorted row; token [T·k] int64: its
+    token t; offsets [E] int32: end row of each expert's group (cumulative counts, as
+    `torch._grouped_mm` takes them). Built with `argsort` (stable, so rows of one expert keep
+    token order) and `searchsorted`: no host sync, no data-dependent shape.
+    """
+
+    __slots__ = ("order", "token", "offsets")
+
+    def __init__(self, top_idx: torch.Tensor, num_experts: int) -> None:
+        flat = top_idx.reshape(-1)
+        self.order = torch.argsort(flat, stable=True)
+        self.token = self.order // top_idx.shape[1]
+        bounds = torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
+        self.offsets = torch.searchsorted(flat[self.order], bounds, right=True).to(torch.int32)
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """y[r] = w[g(r)] · a[r] for rows r of group g (rows offsets[g-1]..offsets[g]).
+
+    a [M, K] row-major; w [G, N, K] (the checkpoint layout: out features first); offsets [G]
+    int32 cumulative row ends -> y [M, N] in a's dtype. One `torch._grouped_mm` call over the
+    transposed (column-major) view of w: no copy of the weights.
+    """
+    return torch._grouped_mm(a, w.transpose(1, 2), offs=offsets)
+
+
+def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    top_idx: torch.Tensor, top_weight: torch.Tensor,
+                    shared: torch.Tensor | None = None,
+                    shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts (and the gated shared expert) as grouped GEMMs with static shapes.
+
+    Shapes and math as `experts_reference`; shared [T, H] (the shared expert's output) and
+    shared_gate [T, 1] (its gate logit), both x's dtype or both None, add
+    sigmoid(shared_gate) · shared to each token. -> [T, H] in x's dtype.
+
+    Rounding differs from the reference: the gate|up and down GEMMs round to x's dtype as
+    there, but the weighted sum over the k experts (and the shared term) is accumulated in
+    fp32 and rounded once, instead of one rounding per expert. No host sync, no
+    data-dependent shape: CUDA-graph safe where `grouped_is_graph_safe` holds.
+    """
+    _check(x, gate_up, down, top_idx, top_weight)
+    if (shared is None) != (shared_gate is None):
+        raise ValueError("shared and shared_gate are given together or not at all")
+    t, k = top_idx.shape
+    rows = ExpertRows(top_idx, gate_up.shape[0])
+    act = grouped_mm(x.index_select(0, rows.token), gate_up, rows.offsets)
+    i = act.shape[1] // 2
+    y = grouped_mm(F.silu(act[:, :i]) * act[:, i:], down, rows.offsets)
+    # back to (token, slot) order: row r of y belongs to pair order[r]
+    unsorted = torch.empty_like(y).index_copy_(0, rows.order, y)
+    out = torch.bmm(top_weight.float().unsqueeze(1), unsorted.view(t, k, -1).float())[:, 0]
+    if shared is not None:
+        out = out + torch.sigmoid(shared_gate.float()) * shared.float()
+    return out.to(x.dtype)
+
+
+@functools.cache
+def _fast_grouped_device(index: int) -> bool:
+    major, _ = torch.cuda.get_device_capability(index)
+    return major in (9, 10)
+
+
+def grouped_is_graph_safe(device: torch.device, dtype: torch.dtype) -> bool:
+    """True when `experts_grouped` runs on `device` in `dtype` without a host sync: CUDA (not
+    ROCm), bf16, compute capability 9.x / 10.x (torch's CUTLASS grouped GEMM; see the module
+    docstring). CPU tensors never need a graph, so CPU answers False."""
+    if device.type != "cuda" or torch.version.hip is not None or dtype != torch.bfloat16:
+        return False
+    return _fast_grouped_device(device.index if device.index is not None
+                                else torch.cuda.current_device())
+
+
+def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                top_idx: torch.Tensor, top_weight: torch.Tensor,
+                shared: torch.Tensor | None = None,
+                shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE block's expert part, shapes as `experts_grouped`: the grouped form where it is
+    graph safe (`grouped_is_graph_safe`), else the reference loop plus the gated shared
+    expert added in x's dtype (transformers' order: experts, then + sigmoid(g) · shared)."""
+    if grouped_is_graph_safe(x.device, x.dtype):
+        return experts_grouped(x, gate_up, down, top_idx, top_weight, shared, shared_gate)
+    out = experts_reference(x, gate_up, down, top_idx, top_weight)
+    if shared is not None:
+        out = out + torch.sigmoid(shared_gate) * shared
+    return out
