@@ -7,7 +7,16 @@ import pytest
 import torch
 import torch._dynamo
 
-from deltaserve.ops.moe import ExpertRows, experts_grouped, experts_reference, route
+from deltaserve.ops.moe import (
+    GATHER_BYTES,
+    ExpertRows,
+    experts_gathered,
+    experts_graph_safe,
+    experts_grouped,
+    experts_reference,
+    gather_fits,
+    route,
+)
 
 
 def _weights(e: int, h: int, i: int, seed: int, dtype=torch.float32):
@@ -123,3 +132,28 @@ def test_bad_router_and_expert_arguments_raise_value_errors():
         experts_grouped(x, gate_up, down, idx.int(), weight)
     with pytest.raises(ValueError, match="shared and shared_gate"):
         experts_grouped(x, gate_up, down, idx, weight, shared=x)
+
+
+@pytest.mark.parametrize("t,k", [(1, 2), (12, 4)])
+def test_gathered_experts_compute_the_reference_loop_with_the_gated_shared_expert(t, k):
+    gate_up, down = _weights(16, 32, 16, seed=5)
+    x, idx, weight = _routed(t, 16, k, 32, seed=5)
+    gen = torch.Generator().manual_seed(3)
+    shared, gate = torch.randn(t, 32, generator=gen), torch.randn(t, 1, generator=gen)
+    want = experts_reference(x, gate_up, down, idx, weight) + torch.sigmoid(gate) * shared
+    got = experts_gathered(x, gate_up, down, idx, weight, shared, gate)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_gathered_form_runs_without_host_sync():
+    gate_up, down = _weights(16, 32, 16, seed=4)
+    x, idx, weight = _routed(9, 16, 4, 32, seed=4)
+    assert _traces_whole(experts_gathered, x, gate_up, down, idx, weight)
+
+
+def test_graph_safety_needs_a_gpu_and_the_gathered_copy_within_its_budget():
+    gate_up = torch.empty(8, 2 * 512, 2048, dtype=torch.bfloat16, device="meta")
+    per_pair = 3 * 512 * 2048 * 2
+    assert gather_fits(GATHER_BYTES // per_pair, gate_up)
+    assert not gather_fits(GATHER_BYTES // per_pair + 1, gate_up)
+    assert not experts_graph_safe(torch.device("cpu"), torch.bfloat16, 1, 8, gate_up)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltaserve.ops.moe import moe_experts, route
+from deltaserve.ops.moe import experts_graph_safe, moe_experts, route
 
 if TYPE_CHECKING:
     from deltaserve.model.config import ModelConfig
@@ -82,3 +82,12 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             shared, shared_gate = self.shared_expert(x), self.shared_expert_gate(x)
         return self.experts(x, top_idx, top_weight, shared, shared_gate)
+
+
+def moe_graph_safe(model: nn.Module, rows: int) -> bool:
+    """True when no SparseMoE block of `model` (MTP layers included; a dense model has none)
+    syncs with the host on batches of up to `rows` tokens (`ops.moe.experts_graph_safe`): the
+    engine captures CUDA graphs for MoE models only then."""
+    return all(experts_graph_safe(m.experts.gate_up_proj.device, m.experts.gate_up_proj.dtype,
+                                  rows, m.top_k, m.experts.gate_up_proj)
+               for m in model.modules() if isinstance(m, SparseMoE))

@@ -1,6 +1,6 @@
 """The sparse MoE block's ops: routing, expert compute and the weighted combine.
 
-Two forms of the expert compute, the same math:
+Three forms of the expert compute, the same math:
 - `experts_reference`: a Python loop over the experts this batch hits (transformers'
   `Qwen3_5MoeExperts.forward`, same rounding points). It syncs with the host (the hit list and
   one `where` per expert) and has data-dependent shapes: the CPU path and the oracle.
@@ -12,13 +12,17 @@ Two forms of the expert compute, the same math:
   (empty groups) are not read at all. The combine un-sorts the rows and reduces the k expert
   outputs per token in fp32 with the routing weights and, when given, the shared expert's
   output times its sigmoid gate, rounding once.
+- `experts_gathered`: static shapes, no host sync, for few rows on any device: the selected
+  experts' weight slices are gathered per (token, slot) pair and applied as batched GEMVs.
+  The graph-safe decode path where the grouped GEMM would sync.
 
 `torch._grouped_mm` runs without a host sync only on its CUTLASS path: CUDA (not ROCm), bf16,
-compute capability 9.x or 10.x (torch 2.10-2.14: aten/src/ATen/native/cuda/GroupedBlas.cpp,
-`_grouped_mm_cuda`; every other case is `_grouped_mm_fallback`, which copies the offsets to
-the host). `grouped_is_graph_safe` says when; `moe_experts` picks the grouped form only then
-and the reference loop otherwise. On CPU torch 2.14 has a grouped-mm kernel (any float dtype),
-which is what the CPU tests of the grouped form run.
+compute capability 9.x or 10.x (`_grouped_mm_cuda` in aten/src/ATen/native/cuda/GroupedBlas.cpp,
+read in torch 2.10 and in pytorch main; every other case is `_grouped_mm_fallback`, which
+copies the offsets to the host). `grouped_is_graph_safe` says when; `moe_experts` picks the
+grouped form then, the gathered form for few rows on other GPUs, and the reference loop
+otherwise. On CPU torch 2.14 has a grouped-mm kernel (any float dtype), which is what the CPU
+tests of the grouped form run.
 """
 
 from __future__ import annotations
@@ -50,7 +54,13 @@ def route(logits: torch.Tensor, top_k: int,
 
 
 def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_idx: torch.Tensor,
-           top_weight: torch.Tensor) -> None:
+           top_weight: torch.Tensor, shared: torch.Tensor | None = None,
+           shared_gate: torch.Tensor | None = None) -> None:
+    if (shared is None) != (shared_gate is None):
+        raise ValueError("shared and shared_gate are given together or not at all")
+    if shared is not None and (shared.shape != x.shape or shared_gate.shape != (x.shape[0], 1)):
+        raise ValueError(f"shared must be {list(x.shape)} and shared_gate [{x.shape[0]}, 1], "
+                         f"got {list(shared.shape)} and {list(shared_gate.shape)}")
     e, two_i, h = gate_up.shape
     if x.dim() != 2 or x.shape[1] != h:
         raise ValueError(f"x must be [T, {h}], got {list(x.shape)}")
@@ -128,9 +138,7 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     fp32 and rounded once, instead of one rounding per expert. No host sync, no
     data-dependent shape: CUDA-graph safe where `grouped_is_graph_safe` holds.
     """
-    _check(x, gate_up, down, top_idx, top_weight)
-    if (shared is None) != (shared_gate is None):
-        raise ValueError("shared and shared_gate are given together or not at all")
+    _check(x, gate_up, down, top_idx, top_weight, shared, shared_gate)
     t, k = top_idx.shape
     rows = ExpertRows(top_idx, gate_up.shape[0])
     act = grouped_mm(x.index_select(0, rows.token), gate_up, rows.offsets)
@@ -138,10 +146,38 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     y = grouped_mm(F.silu(act[:, :i]) * act[:, i:], down, rows.offsets)
     # back to (token, slot) order: row r of y belongs to pair order[r]
     unsorted = torch.empty_like(y).index_copy_(0, rows.order, y)
-    out = torch.bmm(top_weight.float().unsqueeze(1), unsorted.view(t, k, -1).float())[:, 0]
+    return _combine(unsorted.view(t, k, -1), top_weight, shared, shared_gate)
+
+
+def experts_gathered(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                     top_idx: torch.Tensor, top_weight: torch.Tensor,
+                     shared: torch.Tensor | None = None,
+                     shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """`experts_grouped`'s math for few rows on any device: the selected experts' weights are
+    gathered per (token, slot) pair ([T·k, 2I, H] and [T·k, H, I]) and applied as batched
+    GEMVs (`torch.bmm`), then combined as there (fp32, one rounding). Static shapes, no host
+    sync: the graph-safe decode path where `torch._grouped_mm` would sync (fp16, fp32, ROCm,
+    GPUs other than sm90/sm100). Its gathered copies cost T·k expert slices of memory, so
+    `moe_experts` takes it only up to GATHER_BYTES (`gather_fits`).
+    """
+    _check(x, gate_up, down, top_idx, top_weight, shared, shared_gate)
+    t, k = top_idx.shape
+    flat = top_idx.reshape(-1)
+    xs = x.unsqueeze(1).expand(t, k, x.shape[1]).reshape(t * k, x.shape[1], 1)
+    act = torch.bmm(gate_up.index_select(0, flat), xs)[..., 0]
+    i = act.shape[1] // 2
+    h = torch.bmm(down.index_select(0, flat), (F.silu(act[:, :i]) * act[:, i:]).unsqueeze(-1))
+    return _combine(h.view(t, k, -1), top_weight, shared, shared_gate)
+
+
+def _combine(y: torch.Tensor, top_weight: torch.Tensor, shared: torch.Tensor | None,
+             shared_gate: torch.Tensor | None) -> torch.Tensor:
+    """y [T, k, H] expert outputs in (token, slot) order -> Σ_j w_j y_j (+ sigmoid(g) · s),
+    accumulated in fp32, rounded once to y's dtype."""
+    out = torch.bmm(top_weight.float().unsqueeze(1), y.float())[:, 0]
     if shared is not None:
         out = out + torch.sigmoid(shared_gate.float()) * shared.float()
-    return out.to(x.dtype)
+    return out.to(y.dtype)
 
 
 @functools.cache
@@ -160,15 +196,38 @@ def grouped_is_graph_safe(device: torch.device, dtype: torch.dtype) -> bool:
                                 else torch.cuda.current_device())
 
 
+GATHER_BYTES = 256 * 2**20  # gathered expert weights one `experts_gathered` call may copy
+
+
+def gather_fits(rows: int, gate_up: torch.Tensor) -> bool:
+    """Whether `experts_gathered` over `rows` (token, slot) pairs stays within GATHER_BYTES
+    (gate_up [E, 2I, H]: one pair copies 3·I·H elements)."""
+    _, two_i, h = gate_up.shape
+    return rows * 3 * (two_i // 2) * h * gate_up.element_size() <= GATHER_BYTES
+
+
+def experts_graph_safe(device: torch.device, dtype: torch.dtype, rows: int, top_k: int,
+                       gate_up: torch.Tensor) -> bool:
+    """Whether `moe_experts` runs without a host sync for every batch of up to `rows` tokens
+    on `device` in `dtype` (the engine captures CUDA graphs for MoE models only then)."""
+    if device.type != "cuda":
+        return False
+    return grouped_is_graph_safe(device, dtype) or gather_fits(rows * top_k, gate_up)
+
+
 def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 top_idx: torch.Tensor, top_weight: torch.Tensor,
                 shared: torch.Tensor | None = None,
                 shared_gate: torch.Tensor | None = None) -> torch.Tensor:
-    """The MoE block's expert part, shapes as `experts_grouped`: the grouped form where it is
-    graph safe (`grouped_is_graph_safe`), else the reference loop plus the gated shared
-    expert added in x's dtype (transformers' order: experts, then + sigmoid(g) · shared)."""
+    """The MoE block's expert part, shapes as `experts_grouped`. On CUDA: the grouped form where
+    it is graph safe (`grouped_is_graph_safe`), else the gathered form for few rows
+    (`gather_fits`); otherwise (CPU, or a long prefill without the grouped kernel) the
+    reference loop plus the gated shared expert added in x's dtype (transformers' order:
+    experts, then + sigmoid(g) · shared)."""
     if grouped_is_graph_safe(x.device, x.dtype):
         return experts_grouped(x, gate_up, down, top_idx, top_weight, shared, shared_gate)
+    if x.is_cuda and gather_fits(top_idx.numel(), gate_up):
+        return experts_gathered(x, gate_up, down, top_idx, top_weight, shared, shared_gate)
     out = experts_reference(x, gate_up, down, top_idx, top_weight)
     if shared is not None:
         out = out + torch.sigmoid(shared_gate) * shared
