@@ -10,8 +10,8 @@ Three forms of the expert compute, the same math:
   stacked weights (`torch._grouped_mm`, one group per expert, device offsets): each selected
   expert's weights are read once per step whatever the batch size, and unselected experts
   (empty groups) are not read at all. The combine un-sorts the rows and reduces the k expert
-  outputs per token in fp32 with the routing weights and, when given, the shared expert's
-  output times its sigmoid gate, rounding once.
+  outputs per token with the routing weights and, when given, the shared expert's output
+  times its sigmoid gate, in one batched GEMM (fp32 accumulation, one rounding).
 - `experts_gathered`: static shapes, no host sync, for few rows on any device: the selected
   experts' weight slices are gathered per (token, slot) pair and applied as batched GEMVs.
   The graph-safe decode path where the grouped GEMM would sync.
@@ -31,6 +31,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from deltaserve.ops.fused import silu_mul
 
 
 def route(logits: torch.Tensor, top_k: int,
@@ -99,18 +101,17 @@ class ExpertRows:
 
     order [T·k] int64: flat pair index (t·k + j) of each sorted row; token [T·k] int64: its
     token t; offsets [E] int32: end row of each expert's group (cumulative counts, as
-    `torch._grouped_mm` takes them). Built with `argsort` (stable, so rows of one expert keep
-    token order) and `searchsorted`: no host sync, no data-dependent shape.
+    `torch._grouped_mm` takes them). Built with a stable `sort` (rows of one expert keep token
+    order) and `searchsorted`: no host sync, no data-dependent shape.
     """
 
     __slots__ = ("order", "token", "offsets")
 
     def __init__(self, top_idx: torch.Tensor, num_experts: int) -> None:
-        flat = top_idx.reshape(-1)
-        self.order = torch.argsort(flat, stable=True)
+        ids, self.order = torch.sort(top_idx.reshape(-1), stable=True)
         self.token = self.order // top_idx.shape[1]
-        bounds = torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
-        self.offsets = torch.searchsorted(flat[self.order], bounds, right=True).to(torch.int32)
+        bounds = torch.arange(num_experts, device=ids.device, dtype=ids.dtype)
+        self.offsets = torch.searchsorted(ids, bounds, right=True, out_int32=True)
 
 
 def grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -134,16 +135,15 @@ def experts_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     sigmoid(shared_gate) · shared to each token. -> [T, H] in x's dtype.
 
     Rounding differs from the reference: the gate|up and down GEMMs round to x's dtype as
-    there, but the weighted sum over the k experts (and the shared term) is accumulated in
-    fp32 and rounded once, instead of one rounding per expert. No host sync, no
+    there, but the weighted sum over the k experts and the gated shared term is one batched
+    GEMM (fp32 accumulation, one rounding) instead of one rounding per expert. No host sync, no
     data-dependent shape: CUDA-graph safe where `grouped_is_graph_safe` holds.
     """
     _check(x, gate_up, down, top_idx, top_weight, shared, shared_gate)
     t, k = top_idx.shape
     rows = ExpertRows(top_idx, gate_up.shape[0])
     act = grouped_mm(x.index_select(0, rows.token), gate_up, rows.offsets)
-    i = act.shape[1] // 2
-    y = grouped_mm(F.silu(act[:, :i]) * act[:, i:], down, rows.offsets)
+    y = grouped_mm(silu_mul(act), down, rows.offsets)
     # back to (token, slot) order: row r of y belongs to pair order[r]
     unsorted = torch.empty_like(y).index_copy_(0, rows.order, y)
     return _combine(unsorted.view(t, k, -1), top_weight, shared, shared_gate)
@@ -165,19 +165,19 @@ def experts_gathered(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     flat = top_idx.reshape(-1)
     xs = x.unsqueeze(1).expand(t, k, x.shape[1]).reshape(t * k, x.shape[1], 1)
     act = torch.bmm(gate_up.index_select(0, flat), xs)[..., 0]
-    i = act.shape[1] // 2
-    h = torch.bmm(down.index_select(0, flat), (F.silu(act[:, :i]) * act[:, i:]).unsqueeze(-1))
+    h = torch.bmm(down.index_select(0, flat), silu_mul(act).unsqueeze(-1))
     return _combine(h.view(t, k, -1), top_weight, shared, shared_gate)
 
 
 def _combine(y: torch.Tensor, top_weight: torch.Tensor, shared: torch.Tensor | None,
              shared_gate: torch.Tensor | None) -> torch.Tensor:
-    """y [T, k, H] expert outputs in (token, slot) order -> Σ_j w_j y_j (+ sigmoid(g) · s),
-    accumulated in fp32, rounded once to y's dtype."""
-    out = torch.bmm(top_weight.float().unsqueeze(1), y.float())[:, 0]
-    if shared is not None:
-        out = out + torch.sigmoid(shared_gate.float()) * shared.float()
-    return out.to(y.dtype)
+    """y [T, k, H] expert outputs in (token, slot) order -> Σ_j w_j y_j (+ sigmoid(g) · s) in
+    one batched GEMM: cuBLAS (and the CPU kernel) accumulate in fp32 and round once; the gated
+    shared term, rounded to y's dtype first, enters as the GEMM's addend."""
+    w = top_weight.to(y.dtype).unsqueeze(1)
+    if shared is None:
+        return torch.bmm(w, y)[:, 0]
+    return torch.baddbmm((torch.sigmoid(shared_gate) * shared).unsqueeze(1), w, y)[:, 0]
 
 
 @functools.cache
