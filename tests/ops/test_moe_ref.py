@@ -157,3 +157,16 @@ def test_graph_safety_needs_a_gpu_and_the_gathered_copy_within_its_budget():
     assert gather_fits(GATHER_BYTES // per_pair, gate_up)
     assert not gather_fits(GATHER_BYTES // per_pair + 1, gate_up)
     assert not experts_graph_safe(torch.device("cpu"), torch.bfloat16, 1, 8, gate_up)
+
+
+def test_dense_models_keep_cuda_graphs_and_cpu_moe_models_report_no_graph_path(tmp_path):
+    from deltaserve.model.loader import load_model
+    from deltaserve.model.mlp import moe_graph_safe
+    from deltaserve.model.testing import make_tiny_checkpoint
+
+    dense = load_model(make_tiny_checkpoint(tmp_path / "d", "qwen3_5_text", with_mtp=False),
+                       torch.float32, progress=False)
+    sparse = load_model(make_tiny_checkpoint(tmp_path / "s", "qwen3_5_moe_text"),
+                        torch.float32, progress=False)
+    assert moe_graph_safe(dense, rows=64)
+    assert not moe_graph_safe(sparse, rows=64)  # CPU: no graphs to capture
