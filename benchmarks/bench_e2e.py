@@ -111,6 +111,7 @@ def main() -> None:
         if args.config is not None:
             args.vocab = e2e_configs.write_config(path, args.config, args.layers)["vocab_size"]
             kwargs = e2e_configs.engine_kwargs(path)
+            args.hidden = 0  # the config's own
         elif args.model is None:
             args.layers = args.layers or 24
             res["params"] = build_checkpoint(path, args.hidden, args.layers, args.vocab)

@@ -16,6 +16,7 @@ from deltaserve.ops.moe import (
     experts_reference,
     gather_fits,
     route,
+    route_topk_first,
 )
 
 
@@ -170,3 +171,13 @@ def test_dense_models_keep_cuda_graphs_and_cpu_moe_models_report_no_graph_path(t
                         torch.float32, progress=False)
     assert moe_graph_safe(dense, rows=64)
     assert not moe_graph_safe(sparse, rows=64)  # CPU: no graphs to capture
+
+
+def test_routing_top_k_first_picks_the_same_experts_and_weights_as_the_reference():
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(200, 64, generator=gen)
+    logits[:50, 10:14] = logits[:50, 10:11]  # 4-way ties among experts 10..13
+    want_w, want_i = route(logits, 8, norm_topk_prob=True)
+    got_w, got_i = route_topk_first(logits, 8)
+    assert torch.equal(got_i, want_i)
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-6)

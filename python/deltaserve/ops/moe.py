@@ -37,22 +37,35 @@ from deltaserve.ops.fused import silu_mul
 
 def route(logits: torch.Tensor, top_k: int,
           norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k softmax router (transformers' `Qwen3_5MoeTopKRouter` / `Qwen3NextTopKRouter`).
+    """Top-k softmax router: logits [T, E] (the router GEMM's output, activation dtype) ->
+    (top_weight [T, k] in logits' dtype, top_idx [T, k] int64). Static shapes, no host sync.
 
-    logits [T, E] (the router GEMM's output, activation dtype) -> (top_weight [T, k] in
-    logits' dtype, top_idx [T, k] int64). Softmax in fp32, `torch.topk` on the probabilities
-    (ties: the same experts as transformers on the same device, since it is the same call),
-    then, when `norm_topk_prob`, the k weights divided by their sum (in fp32), cast once.
-    Static shapes, no host sync. Raises ValueError when top_k is not in 1..E.
+    On CPU (and without renormalisation) exactly transformers' `Qwen3_5MoeTopKRouter` /
+    `Qwen3NextTopKRouter`: softmax over all E experts in fp32, `torch.topk` on the
+    probabilities (ties: the experts transformers picks, being the same call), then, when
+    `norm_topk_prob`, the k weights divided by their sum in fp32, cast once. On CUDA with
+    `norm_topk_prob`: the same value in three kernels instead of six, since the renormalised
+    top-k of a softmax is the softmax of the top-k logits (softmax is monotonic: the same
+    experts, ties included; weights equal up to fp32 rounding). Raises ValueError when top_k
+    is not in 1..E.
     """
     if not 1 <= top_k <= logits.shape[-1]:
         raise ValueError(f"top_k must be in 1..{logits.shape[-1]} (the number of experts), "
                          f"got {top_k}")
+    if norm_topk_prob and logits.is_cuda:
+        return route_topk_first(logits, top_k)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     top_weight, top_idx = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         top_weight = top_weight / top_weight.sum(dim=-1, keepdim=True)
     return top_weight.to(logits.dtype), top_idx
+
+
+def route_topk_first(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` with renormalisation, top-k first: topk over the logits, softmax (fp32) over
+    the k chosen. Shapes and dtypes as `route`."""
+    top_logit, top_idx = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(top_logit, dim=-1, dtype=torch.float).to(logits.dtype), top_idx
 
 
 def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_idx: torch.Tensor,
