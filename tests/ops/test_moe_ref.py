@@ -88,7 +88,8 @@ def test_the_grouped_form_runs_without_host_sync_and_the_loop_does_not():
 
     def moe_block(x, logits, shared, gate):
         w, i = route(logits, 4, norm_topk_prob=True)
-        return experts_grouped(x, gate_up, down, i, w, shared, gate)
+        w_cuda_form, _ = route_topk_first(logits, 4)  # the form route takes on CUDA
+        return experts_grouped(x, gate_up, down, i, w, shared, gate) + w_cuda_form.sum()
 
     logits = torch.randn(9, 16, generator=gen).bfloat16()
     assert _traces_whole(moe_block, x, logits, shared, gate)
