@@ -101,6 +101,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile 8 batch-1 decode steps")
     ap.add_argument("--out", default="e2e.json")
     args = ap.parse_args()
+    if args.config is not None and (args.anchor or args.model is not None):
+        ap.error("--config has dummy weights: no --anchor (transformers needs a checkpoint) "
+                 "and no --model")
     if args.config is not None and args.prefill_tokens == 8192:
         args.prefill_tokens = 4096  # the prefill figure for the MoE configs
     res: dict = {"config": vars(args).copy()}

@@ -51,7 +51,8 @@ class Experts(nn.Module):
         expert output [T, hidden] and its gate logit [T, 1] -> [T, hidden] (x's dtype).
 
         Grouped GEMMs with static shapes (no host sync, CUDA-graph safe) where
-        `ops.moe.grouped_is_graph_safe` holds; the reference loop (host syncs) elsewhere.
+        `ops.moe.grouped_is_graph_safe` holds, gathered batched GEMVs (also sync-free) for few
+        rows on other GPUs, the reference loop (host syncs) on CPU and for long prefills there.
         """
         return moe_experts(x, self.gate_up_proj, self.down_proj, top_idx, top_weight,
                            shared, shared_gate)
