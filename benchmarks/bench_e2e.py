@@ -7,6 +7,8 @@ when --anchor is given. Prints a table and writes JSON.
 
     python benchmarks/bench_e2e.py --out e2e.json [--hidden 1024 --layers 24] [--anchor]
     python benchmarks/bench_e2e.py --model default --out e2e_default.json   # a given checkpoint
+    python benchmarks/bench_e2e.py --config qwen3.6-35b-a3b --out e2e_35b.json  # dummy weights
+    python benchmarks/bench_e2e.py --config qwen3-next-80b-a3b --layers 24 --out e2e_next.json
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import e2e_configs
 import torch
 
 from deltaserve import LLM, SamplingParams
@@ -70,6 +73,12 @@ def timed(fn, *args, **kwargs) -> float:
     return time.perf_counter() - t
 
 
+def ttft(llm: LLM, ids: list[int], one: SamplingParams) -> float:
+    """Seconds to the first token of a cold prompt (prefix cache flushed)."""
+    llm.engine.flush_cache()
+    return timed(llm.generate, [ids], one)
+
+
 def prompt(n: int, vocab: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(vocab - 1) for _ in range(n)]
@@ -80,8 +89,11 @@ def main() -> None:
     ap.add_argument("--model", default=None,
                     help="checkpoint folder, or 'default' for the embedded model, instead of "
                          "a random checkpoint of --hidden/--layers/--vocab")
+    ap.add_argument("--config", default=None, choices=e2e_configs.CONFIGS,
+                    help="a named MoE config with dummy weights (benchmarks/e2e_configs.py); "
+                         "--layers cuts it, figures beside their rooflines")
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--layers", type=int, default=None, help="default 24 (--config: all)")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--prefill-tokens", type=int, default=8192)
     ap.add_argument("--decode-tokens", type=int, default=128)
@@ -89,22 +101,40 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile 8 batch-1 decode steps")
     ap.add_argument("--out", default="e2e.json")
     args = ap.parse_args()
+    if args.config is not None and (args.anchor or args.model is not None):
+        ap.error("--config has dummy weights: no --anchor (transformers needs a checkpoint) "
+                 "and no --model")
+    if args.config is not None and args.prefill_tokens == 8192:
+        args.prefill_tokens = 4096  # the issue's prefill figure for the MoE configs
     res: dict = {"config": vars(args).copy()}
     with tempfile.TemporaryDirectory() as tmp:
         path = tmp
-        if args.model is None:
+        kwargs = dict(device="cuda", dtype="bfloat16", kv_memory_gb=8.0, page_size=16,
+                      chunk_size=8192, max_num_batched_tokens=8192, max_running_reqs=64)
+        if args.config is not None:
+            args.vocab = e2e_configs.write_config(path, args.config, args.layers)["vocab_size"]
+            kwargs = e2e_configs.engine_kwargs(path)
+            args.hidden = 0  # the config's own
+        elif args.model is None:
+            args.layers = args.layers or 24
             res["params"] = build_checkpoint(path, args.hidden, args.layers, args.vocab)
         else:
             path, res["params"], args.vocab = given_checkpoint(args.model)
             args.hidden = args.layers = 0  # not used: the checkpoint's own
-        llm = LLM(path, device="cuda", dtype="bfloat16", kv_memory_gb=8.0, page_size=16,
-                  chunk_size=8192, max_num_batched_tokens=8192, max_running_reqs=64)
+        t_load = time.perf_counter()
+        llm = LLM(path, **kwargs)
+        if args.config is not None:
+            res["load_s"] = time.perf_counter() - t_load
+            res["params"] = sum(p.numel() for p in llm.engine.model.parameters())
+            res.update(e2e_configs.rooflines(llm.engine.model, args.prefill_tokens, 256))
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         long = prompt(args.prefill_tokens, args.vocab, 1)
         for _ in range(2):  # the first pass compiles fla-core's Triton kernels for these shapes
             res.update(prefill_protocol(llm, long, args.vocab, one))
         res["prefill_tok_s"] = args.prefill_tokens / res["prefill_s"]
-        for batch in (1, 32, 1):  # batch 1 twice: the first pass warms up the decode path
+        # batch 1 twice: the first pass warms up the decode path (--config: batch 32 too, so
+        # that capturing its 40-layer graph is not timed)
+        for batch in (1, 32, 1, 32) if args.config is not None else (1, 32, 1):
             prompts = [prompt(128, args.vocab, 100 + i) for i in range(batch)]
             n = args.decode_tokens
             params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -113,12 +143,17 @@ def main() -> None:
             llm.engine.flush_cache()
             t_all = timed(llm.generate, prompts, params)
             res[f"decode_b{batch}_tok_s"] = batch * (n - 1) / max(t_all - t_pre, 1e-9)
+        if args.config is not None:
+            res["ttft_256_s"] = min(ttft(llm, prompt(256, args.vocab, 4 + i), one)
+                                    for i in range(3))
         if args.profile:
             res["profile"] = profile_decode(llm, args.vocab)
             print(res["profile"])
         del llm
         torch.cuda.empty_cache()
         report(res, args)  # before the anchor: a run cut short keeps deltaserve's figures
+        if args.config is not None:
+            e2e_configs.report(res)
         if args.anchor:
             res.update(anchor(path, args))
             report(res, args)

@@ -22,6 +22,7 @@ class EngineConfig:
     """
 
     model: str | None = None
+    load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32
     device: str = "auto"  # auto (cuda when available), cpu, cuda
     seed: int = 0
@@ -102,6 +103,9 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         if self.max_running_reqs < 1:
             raise ValueError("max_running_reqs must be >= 1")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError("load_format must be auto (the checkpoint's weights) or dummy "
+                             "(random weights from config.json)")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError("dtype must be one of auto, bfloat16, float16, float32")
         if self.speculative_algorithm not in (None, "mtp", "ngram"):

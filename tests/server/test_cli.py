@@ -35,10 +35,10 @@ def test_every_engine_flag_sets_its_config_field():
                 "--host-snapshot-slots", "11", "--max-prompt-snapshots", "8",
                 "--disable-prefix-cache", "--speculative-algorithm", "ngram",
                 "--speculative-num-steps", "3", "--disable-cuda-graphs", "--log-every", "10",
-                "--seed", "5")
+                "--seed", "5", "--load-format", "dummy")
     assert cfg == EngineConfig(
-        model="/m", dtype="float32", device="cpu", page_size=64, chunk_size=128,
-        max_running_reqs=3, max_model_len=1000, num_pages=99, kv_memory_gb=0.5,
+        model="/m", load_format="dummy", dtype="float32", device="cpu", page_size=64,
+        chunk_size=128, max_running_reqs=3, max_model_len=1000, num_pages=99, kv_memory_gb=0.5,
         num_snapshot_slots=7, host_snapshot_slots=11, max_prompt_snapshots=8,
         enable_prefix_cache=False, speculative_algorithm="ngram",
         speculative_num_steps=3, decode_rows_per_req=4, cuda_graphs=False, log_every=10, seed=5)

@@ -8,8 +8,8 @@ the logits of every row. Inputs live in static buffers refilled before each repl
 requests use the padding slot 0 and the padding page 0, so they never touch a real request.
 Outputs (logits, hidden, the verify stash and conv inputs that `commit` reads) stay valid until
 the next replay. A verify graph always takes pending rows from a static int32 buffer (zeros
-when none are pending for its batch). Models whose forward syncs with the host (MoE routing)
-are not captured.
+when none are pending for its batch). MoE models are captured when their experts run without
+a host sync at the largest batch (`model.mlp.moe_graph_safe`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.sampling import SamplingRow, sample_rows
 from deltaserve.engine.spec_protocol import load_spec_runtime
+from deltaserve.model.mlp import moe_graph_safe
 from deltaserve.ops._ext import KERNEL_HEAD_DIMS
 from deltaserve.scheduler.scheduler import Scheduler
 from deltaserve.spec.policy import build_policy
@@ -96,7 +97,8 @@ class LLMEngine:
         self.model_name = cfg.model or "deltaserve-default"
         self.device, self.dtype = resolve_device_dtype(cfg)
         torch.manual_seed(cfg.seed)
-        self.model = load_model(path, self.dtype, self.device)
+        self.model = load_model(path, self.dtype, self.device, load_format=cfg.load_format,
+                                seed=cfg.seed)
         self.tokenizer = load_tokenizer(path)
         mc = self.model.config
         if self.device.type == "cuda" and mc.linear_key_head_dim not in KERNEL_HEAD_DIMS:
@@ -120,13 +122,18 @@ class LLMEngine:
                        if self.spec is not None else None)
         self.graphs = None  # verify graphs with speculation, else decode graphs
         self.decode_graphs = None  # the plain decode steps an adaptive policy picks
-        # MoE routing syncs with the host (torch.unique): not capturable yet
-        if cfg.cuda_graphs and self.device.type == "cuda" and mc.num_experts == 0:
-            self.graphs = GraphRunner(self.runner, cfg.max_running_reqs,
-                                      cfg.decode_rows_per_req, self.max_model_len)
-            if self.policy is not None and cfg.speculative_policy != "fixed":
-                self.decode_graphs = GraphRunner(self.runner, cfg.max_running_reqs, 1,
-                                                 self.max_model_len)
+        if cfg.cuda_graphs and self.device.type == "cuda":
+            if moe_graph_safe(self.model, cfg.max_running_reqs * cfg.decode_rows_per_req):
+                self.graphs = GraphRunner(self.runner, cfg.max_running_reqs,
+                                          cfg.decode_rows_per_req, self.max_model_len)
+                if self.policy is not None and cfg.speculative_policy != "fixed":
+                    self.decode_graphs = GraphRunner(self.runner, cfg.max_running_reqs, 1,
+                                                     self.max_model_len)
+            else:
+                logger.warning("MoE experts in %s would sync with the host at %d rows (no "
+                               "sync-free grouped GEMM for this GPU and dtype; the gathered "
+                               "form exceeds its memory budget): CUDA graphs are off",
+                               self.dtype, cfg.max_running_reqs * cfg.decode_rows_per_req)
         self.scheduler = Scheduler(cfg, self.page_pool, self.state_pool, self.prefix_cache,
                                    self.eos_ids,
                                    on_release=self._release if self.spec else None,

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from deltaserve.model.config import ModelConfig
+from deltaserve.model.dummy import fill_dummy
 from deltaserve.model.gdn import split_qwen3_next_projections
 from deltaserve.model.qwen3_5 import Model
 
@@ -36,30 +37,49 @@ _FUSED_GDN = re.compile(r"^(.*\.linear_attn)\.in_proj_(qkvz|ba)\.weight$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.bfloat16,
                device: torch.device | str = "cpu", *, strict: bool = True,
-               progress: bool = True) -> Model:
+               progress: bool = True, load_format: str = "auto", seed: int = 0) -> Model:
     """Build the model of checkpoint directory `path` on `device` with weights in `dtype`.
 
     The MTP head is built when the checkpoint has `mtp.*` tensors (as many layers as it holds);
     a config announcing MTP without such tensors loads without it (warning). strict=False turns
-    the unexpected-tensor error into a warning. Returns the model in eval mode, without grads.
+    the unexpected-tensor error into a warning. load_format "dummy" reads config.json alone and
+    draws random weights on `device` from `seed` (model/dummy.py; the MTP layers the config
+    announces are built). Returns the model in eval mode, without grads. Raises ValueError for
+    an unknown load_format.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
+                         f"got {load_format!r}")
     path = Path(path)
     dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
     config = ModelConfig.from_pretrained(path)
-    key_files = _index(path)
-    mtp_layers = {int(m.group(1)) for k in key_files if (m := re.match(r"mtp\.layers\.(\d+)\.", k))}
-    num_mtp = max(mtp_layers) + 1 if mtp_layers else 0
-    if num_mtp == 0 and config.mtp_num_hidden_layers > 0:
-        warnings.warn(f"{path}: config announces {config.mtp_num_hidden_layers} MTP layer(s) "
-                      "but the checkpoint has no mtp.* tensors; loading without MTP", stacklevel=2)
+    key_files = None if load_format == "dummy" else _index(path)
+    num_mtp = config.mtp_num_hidden_layers if key_files is None else _num_mtp(path, config,
+                                                                            key_files)
     with torch.device("meta"):
         model = Model(config, num_mtp_layers=num_mtp)
     model = model.to(dtype).to_empty(device=device)
     model.rotary.reset_inv_freq()
-    _Filler(model, config, key_files, path, strict, progress).run()
+    if key_files is None:
+        fill_dummy(model, seed)
+    else:
+        _Filler(model, config, key_files, path, strict, progress).run()
     return model.requires_grad_(False).eval()
+
+
+def _num_mtp(path: Path, config: ModelConfig, key_files: dict[str, Path]) -> int:
+    """MTP layers the checkpoint holds (a config announcing more loads without them: warning)."""
+    mtp_layers = {int(m.group(1)) for k in key_files if (m := re.match(r"mtp\.layers\.(\d+)\.", k))}
+    num_mtp = max(mtp_layers) + 1 if mtp_layers else 0
+    if num_mtp == 0 and config.mtp_num_hidden_layers > 0:
+        warnings.warn(f"{path}: config announces {config.mtp_num_hidden_layers} MTP layer(s) "
+                      "but the checkpoint has no mtp.* tensors; loading without MTP", stacklevel=3)
+    return num_mtp
 
 
 def _index(path: Path) -> dict[str, Path]:

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.ops.moe import experts_graph_safe, moe_experts, route
+
 if TYPE_CHECKING:
     from deltaserve.model.config import ModelConfig
 
@@ -33,7 +35,7 @@ class MLP(nn.Module):
 class Experts(nn.Module):
     """E SwiGLU experts stored stacked (the Hub's fused layout; per-expert checkpoints are
     stacked by the loader): gate_up_proj [E, 2I, hidden] (rows [gate (I) | up (I)]),
-    down_proj [E, hidden, I].
+    down_proj [E, hidden, I]. The compute is `ops.moe.moe_experts`.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
@@ -42,19 +44,18 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, intermediate))
 
-    def forward(self, x: torch.Tensor, top_idx: torch.Tensor,
-                top_weight: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden], top_idx [T, k] int64, top_weight [T, k] (x's dtype) -> [T, hidden].
+    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_weight: torch.Tensor,
+                shared: torch.Tensor | None = None,
+                shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden], top_idx [T, k] int64, top_weight [T, k] (x's dtype), optional shared
+        expert output [T, hidden] and its gate logit [T, 1] -> [T, hidden] (x's dtype).
 
-        Loops over the experts hit by this batch (a host sync; not CUDA-graph capturable).
+        Grouped GEMMs with static shapes (no host sync, CUDA-graph safe) where
+        `ops.moe.grouped_is_graph_safe` holds, gathered batched GEMVs (also sync-free) for few
+        rows on other GPUs, the reference loop (host syncs) on CPU and for long prefills there.
         """
-        out = torch.zeros_like(x)
-        for e in torch.unique(top_idx).tolist():
-            rows, slot = torch.where(top_idx == e)
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * top_weight[rows, slot, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-        return out
+        return moe_experts(x, self.gate_up_proj, self.down_proj, top_idx, top_weight,
+                           shared, shared_gate)
 
 
 class SparseMoE(nn.Module):
@@ -77,12 +78,17 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        top_weight, top_idx = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            top_weight = top_weight / top_weight.sum(dim=-1, keepdim=True)
-        out = self.experts(x, top_idx, top_weight.to(logits.dtype))
+        top_weight, top_idx = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        shared = shared_gate = None
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+            shared, shared_gate = self.shared_expert(x), self.shared_expert_gate(x)
+        return self.experts(x, top_idx, top_weight, shared, shared_gate)
+
+
+def moe_graph_safe(model: nn.Module, rows: int) -> bool:
+    """True when no SparseMoE block of `model` (MTP layers included; a dense model has none)
+    syncs with the host on batches of up to `rows` tokens (`ops.moe.experts_graph_safe`): the
+    engine captures CUDA graphs for MoE models only then."""
+    return all(experts_graph_safe(m.experts.gate_up_proj.device, m.experts.gate_up_proj.dtype,
+                                  rows, m.top_k, m.experts.gate_up_proj)
+               for m in model.modules() if isinstance(m, SparseMoE))

@@ -24,6 +24,8 @@ logger = logging.getLogger("deltaserve.server")
 _DERIVED = {"decode_rows_per_req"}
 _HELP = {
     "model": "checkpoint folder (config.json + safetensors); default: the embedded model",
+    "load_format": "auto (the checkpoint's safetensors) or dummy (random weights made on the "
+                   "device from config.json alone, seeded by --seed: for benchmarks)",
     "dtype": "auto (bf16 on GPU, fp32 on CPU), bfloat16, float16 or float32",
     "device": "auto (cuda when available), cpu or cuda",
     "page_size": "KV positions per page",
