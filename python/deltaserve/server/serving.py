@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from deltaserve.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from deltaserve.server.limits import chars_per_token_bound
 from deltaserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("deltaserve.server")
 
-MAX_CHARS_PER_TOKEN = 256  # a generous bound: byte-level BPE tokens are far shorter
-
 
 def sse(payload: BaseModel | dict) -> str:
     """One server-sent event carrying `payload` as JSON."""
@@ -60,6 +59,9 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
+        # computed once (a pass over the vocabulary); bounds the prompt before tokenizing
+        tokenizer = engine.tokenizer
+        self.chars_per_token = chars_per_token_bound(tokenizer) if tokenizer else 1
 
     # -- preparation -------------------------------------------------------------------------
 
@@ -100,8 +102,9 @@ class OpenAIServing:
 
     def _check_text_size(self, n_chars: int, param: str) -> None:
         """Refuse text that cannot fit the context whatever it tokenizes to (no token covers
-        more than MAX_CHARS_PER_TOKEN characters in practice), before spending time on it."""
-        limit = self.engine.max_model_len * MAX_CHARS_PER_TOKEN
+        more than `chars_per_token` characters: limits.chars_per_token_bound), before spending
+        time on it."""
+        limit = self.engine.max_model_len * self.chars_per_token
         if n_chars > limit:
             raise InvalidRequest(
                 f"the prompt has {n_chars} characters; this model's context of "
