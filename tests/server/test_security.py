@@ -4,18 +4,14 @@ applies)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import openai
 import pytest
-from live_server import LiveServer, Served
+from live_server import API_KEY as KEY
 from test_http import assert_openai_error
 
-from deltaserve.server.api import build_app
 from deltaserve.server.security import ServerOptions, host_allowed, host_name, is_loopback
 
-KEY = "sk-deltaserve-test-key"
 GREEDY = {"temperature": 0, "ignore_eos": True}
 # every route, with a request that succeeds when the key is right
 ROUTES = [
@@ -28,18 +24,6 @@ ROUTES = [
     ("GET", "/v1/cache/status", None),
     ("POST", "/v1/cache/flush", None),
 ]
-
-
-@pytest.fixture(scope="module")
-def keyed(served: Served) -> Iterator[str]:
-    """The base URL of a server with --api-key KEY bound to loopback (loopback Hosts only)."""
-    options = ServerOptions.for_bind("127.0.0.1", api_key=KEY)
-    server = LiveServer(build_app(served.engine, options))
-    server.start()
-    try:
-        yield server.base_url
-    finally:
-        server.stop()
 
 
 def call(base_url: str, method: str, path: str, body: dict | None, model: str,
@@ -167,3 +151,30 @@ def test_the_default_hosts_follow_the_bind_address():
 def test_bad_server_options_are_refused_naming_the_flag(kwargs, says):
     with pytest.raises(ValueError, match=says):
         ServerOptions(**kwargs)
+
+
+def serve_options(*argv: str, environ: dict[str, str] | None = None) -> ServerOptions:
+    from deltaserve.server.cli import build_parser
+    from deltaserve.server.security import server_options
+
+    return server_options(build_parser().parse_args(["serve", *argv]), environ or {})
+
+
+def test_the_serve_flags_and_the_environment_set_the_server_options():
+    default = serve_options()
+    assert default.api_key is None and default.allowed_hosts == ("localhost", "127.0.0.1", "::1")
+    assert serve_options(environ={"DELTASERVE_API_KEY": "k1"}).api_key == "k1"
+    flags = serve_options("--api-key", "k2", "--host", "0.0.0.0", "--allowed-hosts", "a.example",
+                          "--allowed-hosts", ".b.example", "--max-request-bytes", "2048",
+                          environ={"DELTASERVE_API_KEY": "k1"})
+    assert flags == ServerOptions(api_key="k2", allowed_hosts=("a.example", ".b.example"),
+                                  max_request_bytes=2048)
+    assert serve_options("--host", "0.0.0.0").allowed_hosts == ("*",)
+
+
+def test_a_bad_server_flag_stops_serve_before_the_model_loads(capsys, monkeypatch):
+    from deltaserve.server import cli
+
+    monkeypatch.setattr(cli, "_make_engine", lambda args: pytest.fail("the model was loaded"))
+    assert cli.main(["serve", "--max-request-bytes", "10"]) == 1
+    assert "--max-request-bytes" in capsys.readouterr().err

@@ -28,6 +28,7 @@ from deltaserve.server.limits import BodyLimit
 from deltaserve.server.metrics import ServerMetrics
 from deltaserve.server.openapi import DESCRIPTION, RESPONSES, DeltaserveAPI, generation_responses
 from deltaserve.server.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -195,12 +196,13 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None) -> Fast
     _install_error_handlers(app, metrics)
 
     @app.post("/v1/completions", response_model=None,
-              responses=generation_responses(CompletionResponse))
+              responses=generation_responses(CompletionResponse, CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
         return await serving.completions(body, request)
 
     @app.post("/v1/chat/completions", response_model=None,
-              responses=generation_responses(ChatCompletionResponse))
+              responses=generation_responses(ChatCompletionResponse,
+                                             ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
 

@@ -2,9 +2,10 @@
 
 FastAPI documents a 422 validation error the server never sends (it answers 400 with the OpenAI
 error object) and knows neither the middlewares' answers (401, 403, 413, Host 400) nor the
-non-JSON bodies (SSE streams, Prometheus text). `RESPONSES` holds the per-route documentation
-the routes pass to their decorators; `DeltaserveAPI.openapi()` drops the 422s and adds the
-bearer scheme when a key is set.
+non-JSON bodies: SSE streams (each event's data a chunk as JSON, or [DONE]) and Prometheus
+text. `RESPONSES` and `generation_responses` hold the per-route documentation the routes pass
+to their decorators; `DeltaserveAPI.openapi()` drops the 422s, adds the models only the SSE
+events name, and declares the bearer scheme when a key is set.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from deltaserve.server.protocol import ErrorResponse
+from deltaserve.server.protocol import ChatCompletionChunk, ErrorResponse
 
 PROMETHEUS_MEDIA = CONTENT_TYPE_LATEST.split(";")[0]  # text/plain
 _ERROR = {"model": ErrorResponse}
@@ -34,20 +35,28 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {**_ERROR, "description": _WHY[code]} for code in codes}
 
 
-def _stream_or(model: type, what: str) -> dict[int | str, dict[str, Any]]:
-    """A 200 that is `model` as JSON, or an SSE stream when the request set stream: true."""
-    return {200: {"model": model, "description": f"{what}; with stream: true, a "
-                  "text/event-stream of chunks ('data: {json}' events, then 'data: [DONE]')",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
-
-
 _GENERATION = (400, 401, 403, 404, 413, 500, 503)
 
 
-def generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
-    """The responses of a generation route answering `model` as JSON, or an SSE stream (its
-    events are described in words: OpenAPI 3.1 has no schema for an event stream)."""
-    return {**_stream_or(model, "The completion"), **_errors(*_GENERATION)}
+def _sse_event(chunk: type) -> dict[str, Any]:
+    """The schema of one server-sent event of a stream of `chunk`s (OpenAPI 3.1: the media
+    type's schema describes each event): its data is a chunk as JSON, an error object as JSON
+    (an error after the headers went out), or the closing "[DONE]"."""
+    payload = {"anyOf": [{"$ref": f"#/components/schemas/{m.__name__}"}
+                         for m in (chunk, ErrorResponse)]}
+    return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
+    ]}}}
+
+
+def generation_responses(model: type, chunk: type) -> dict[int | str, dict[str, Any]]:
+    """The responses of a generation route: `model` as JSON, or with stream: true an SSE
+    stream of `chunk`s then [DONE]; and its errors."""
+    ok = {"model": model, "description": "The completion; with stream: true, a "
+          "text/event-stream of chunks ('data: {json}' events, then 'data: [DONE]')",
+          "content": {"text/event-stream": {"schema": _sse_event(chunk)}}}
+    return {200: ok, **_errors(*_GENERATION)}
 
 
 RESPONSES: dict[str, dict[int | str, dict[str, Any]]] = {
@@ -81,6 +90,9 @@ DESCRIPTION = (
 )
 
 
+STREAM_MODELS = (ChatCompletionChunk, ErrorResponse)
+
+
 class DeltaserveAPI(FastAPI):
     """FastAPI whose schema leaves out the 422 responses (validation errors are 400 here) and
     declares the bearer scheme on the keyed routes when `api_key_required`."""
@@ -99,8 +111,14 @@ class DeltaserveAPI(FastAPI):
                 if self.api_key_required and (path.startswith("/v1") or path == "/metrics"):
                     operation["security"] = [{"bearer": []}]
         components = schema.setdefault("components", {})
+        schemas = components.setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
-            components.get("schemas", {}).pop(name, None)
+            schemas.pop(name, None)
+        for model in STREAM_MODELS:  # named by the SSE events only, which FastAPI cannot see
+            own = model.model_json_schema(mode="serialization",
+                                          ref_template="#/components/schemas/{model}")
+            for name, definition in {**own.pop("$defs", {}), model.__name__: own}.items():
+                schemas.setdefault(name, definition)
         if self.api_key_required:
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         self.openapi_schema = schema

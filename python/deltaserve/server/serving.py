@@ -4,6 +4,7 @@ validation, non-streaming collection and SSE streaming."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -59,9 +60,11 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        # computed once (a pass over the vocabulary); bounds the prompt before tokenizing
-        tokenizer = engine.tokenizer
-        self.chars_per_token = chars_per_token_bound(tokenizer) if tokenizer else 1
+
+    @functools.cached_property
+    def chars_per_token(self) -> int:
+        """limits.chars_per_token_bound of the tokenizer: one pass over the vocabulary, once."""
+        return chars_per_token_bound(self._tokenizer("prompt"))
 
     # -- preparation -------------------------------------------------------------------------
 
