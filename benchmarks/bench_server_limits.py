@@ -3,9 +3,11 @@ process's resident memory (RSS) after each one.
 
 Starts `deltaserve serve` (the embedded model on the CPU unless --model/--device say otherwise)
 in a subprocess, waits for /health, then sends each bad request `--repeat` times and prints, per
-kind: the status codes, the median and max seconds to the answer, and the server's RSS growth
-over the first answer (warm-up) and over all of them, read from /proc/PID/status. A server
-that returns the memory of refused requests shows no growth after the first. Linux only.
+kind: the status codes, the median and max seconds to the answer, the server's RSS growth
+over the first answer (warm-up) and over all of them, read from /proc/PID/status (a server
+that returns the memory of refused requests shows no growth after the first), and the longest
+pause of another client's token stream while such requests keep coming (against the same
+stream's longest pause alone). Linux only.
 
     .venv/bin/python benchmarks/bench_server_limits.py [--repeat 10] [-- serve flags...]
 
@@ -22,6 +24,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -95,6 +98,40 @@ def measure(client: httpx.Client, pid: int, request: dict, repeat: int) -> dict:
             "rss_growth_after_first_mb": round(rss[-1] - rss[1], 1)}
 
 
+def stream_gap_s(base: str, request: dict | None, max_tokens: int = 48) -> float:
+    """The longest pause (s) between two events of a greedy streamed completion while
+    `request` (None: nothing) is sent again and again on another connection: how long a bad
+    request stalls the other clients."""
+    stamps: list[float] = []
+
+    def stream() -> None:
+        body = {"prompt": "Count: 1, 2, 3,", "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=base, timeout=120) as c, \
+                c.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    stamps.append(time.perf_counter())
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    with httpx.Client(base_url=base, timeout=120) as c:
+        while reader.is_alive():
+            if request is None:
+                time.sleep(0.05)
+                continue
+            args = dict(request)
+            if args.pop("chunked", False):
+                args["content"] = chunks(args["content"])
+            try:
+                c.post(**args)
+            except httpx.TransportError:
+                pass
+    reader.join()
+    gaps = [b - a for a, b in zip(stamps[1:-1], stamps[2:])]  # after the first token
+    return round(max(gaps), 3) if gaps else float("nan")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=10)
@@ -122,8 +159,10 @@ def main() -> int:
             ok = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
             assert ok.status_code == 200, ok.text
             results = {"server": {"flags": flags, "rss_mb": round(rss_mb(server.pid), 1)}}
+            results["stream gap, alone"] = {"max_gap_s": stream_gap_s(base, None)}
             for kind, request in bad_requests().items():
                 results[kind] = measure(client, server.pid, request, args.repeat)
+                results[kind]["stream_max_gap_s"] = stream_gap_s(base, request)
                 print(f"{kind:20s} {json.dumps(results[kind])}", flush=True)
             ok = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
             results["served after"] = ok.status_code
