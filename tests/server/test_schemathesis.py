@@ -6,11 +6,10 @@ run on two CPU cores takes a minute or two and fails the same way every time."""
 from __future__ import annotations
 
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
-
-schemathesis = pytest.importorskip("schemathesis")
-from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.specs.openapi.checks import (  # noqa: E402
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     negative_data_rejection,
     response_headers_conformance,
