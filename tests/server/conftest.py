@@ -7,10 +7,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import FlakyEngine, LiveServer, Served, make_engine, make_tiny_model
+from live_server import API_KEY, FlakyEngine, LiveServer, Served, make_engine, make_tiny_model
 
 from deltaserve.server.api import build_app
 from deltaserve.server.async_engine import AsyncEngine
+from deltaserve.server.security import ServerOptions
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +36,16 @@ def served(tiny_model: Path) -> Iterator[Served]:
 def client(served: Served) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=served.base_url, timeout=30) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def keyed(served: Served) -> Iterator[str]:
+    """The base URL of a second live server on the same engine, with --api-key API_KEY and
+    bound to loopback (so it accepts loopback Host names only)."""
+    server = LiveServer(build_app(served.engine, ServerOptions.for_bind("127.0.0.1",
+                                                                        api_key=API_KEY)))
+    server.start()
+    try:
+        yield server.base_url
+    finally:
+        server.stop()

@@ -20,6 +20,7 @@ import uvicorn
 from deltaserve.server.async_engine import AsyncEngine
 
 MAX_MODEL_LEN = 512
+API_KEY = "sk-deltaserve-test-key"  # the `keyed` server's --api-key
 
 
 class FlakyEngine:

@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP API: `build_app(async_engine)` returns the FastAPI app.
 
 Every error answers with the OpenAI error object {"error": {"message", "type", "param",
-"code"}}: bad requests (validation, malformed JSON, context limit, sampling parameters) with
-400, unknown routes with 404, a shut-down engine with 503, anything unexpected with 500 (the
-server keeps serving).
+"code"}}: bad requests (validation, malformed JSON, context limit, sampling parameters, a Host
+not allowed) with 400, a missing or wrong API key with 401, a cross-site POST with 403, unknown
+routes with 404, a method the route does not take with 405 (and Allow), a body over the cap
+with 413, a shut-down engine with 503, anything unexpected with 500 (the server keeps
+serving). The schema is served at /openapi.json (and /docs); see openapi.py, security.py and
+limits.py.
 """
 
 from __future__ import annotations
@@ -16,32 +19,30 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deltaserve.server.async_engine import AsyncEngine, EngineDeadError
+from deltaserve.server.errors import error_response
+from deltaserve.server.limits import BodyLimit
 from deltaserve.server.metrics import ServerMetrics
+from deltaserve.server.openapi import DESCRIPTION, RESPONSES, DeltaserveAPI, generation_responses
 from deltaserve.server.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
-    ErrorInfo,
-    ErrorResponse,
+    CompletionResponse,
     InvalidRequest,
     ModelCard,
     ModelList,
 )
+from deltaserve.server.security import Guard, ServerOptions
 from deltaserve.server.serving import ClientGone, OpenAIServing
 
 logger = logging.getLogger("deltaserve.server")
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none)$|[\[\-]")
-
-
-def error_response(status: int, message: str, type: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> JSONResponse:
-    # a message may quote client text holding lone surrogates, which JSON cannot encode
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
 
 
 def _json_kind(value: object) -> str:
@@ -128,6 +129,18 @@ class InternalErrors:
             await response(scope, receive, send)
 
 
+def _allowed_methods(request: Request) -> str:
+    """The methods the app's routes take on the request's path, comma-separated. Starlette's
+    own Allow names only the first route that matches the path (GET and HEAD of /health are
+    two routes, one operation id each)."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
 def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     def counted(response: JSONResponse) -> JSONResponse:
         metrics.errors.labels(status=str(response.status_code)).inc()
@@ -152,7 +165,10 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         else:
             message = str(exc.detail)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return counted(error_response(exc.status_code, message, kind))
+        headers = exc.headers
+        if exc.status_code == 405:  # Allow (RFC 9110) lists every route of the path
+            headers = {**(headers or {}), "Allow": _allowed_methods(request)}
+        return counted(error_response(exc.status_code, message, kind, headers=headers))
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
@@ -163,54 +179,66 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return Response(status_code=499)  # nobody reads it; the request was aborted
 
 
-def build_app(engine: AsyncEngine) -> FastAPI:
-    """The FastAPI app serving `engine`. The caller owns the engine (and shuts it down)."""
-    app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None, openapi_url=None)
+def build_app(engine: AsyncEngine, options: ServerOptions | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` under `options` (default: no key, any Host, the
+    default body cap). The caller owns the engine (and shuts it down)."""
+    options = options or ServerOptions()
+    app = DeltaserveAPI(title="deltaserve", description=DESCRIPTION, docs_url="/docs",
+                        redoc_url=None, openapi_url="/openapi.json",
+                        api_key_required=options.api_key is not None)
     metrics = ServerMetrics()
     serving = OpenAIServing(engine, metrics)
     app.state.engine, app.state.metrics = engine, metrics
+    # outermost last: Guard (reads no body) -> BodyLimit (413) -> InternalErrors -> routes
     app.add_middleware(InternalErrors, metrics=metrics)
+    app.add_middleware(BodyLimit, max_bytes=options.max_request_bytes)
+    app.add_middleware(Guard, options=options)
     _install_error_handlers(app, metrics)
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None,
+              responses=generation_responses(CompletionResponse, CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
         return await serving.completions(body, request)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=generation_responses(ChatCompletionResponse,
+                                             ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
 
     def card() -> ModelCard:
         return ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=RESPONSES["models"])
     async def models() -> ModelList:
         return ModelList(data=[card()])
 
     # OpenAI's "retrieve model"; ids may hold slashes (Qwen/Qwen3-Next-80B-A3B-Instruct)
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=RESPONSES["model"])
     async def model(model: str) -> ModelCard:
         serving.check_model(model, default_ok=False)  # GET /v1/models/ names no model
         return card()
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    # one operation id per method: the schema's ids must be unique
+    @app.head("/health", operation_id="health_head", responses=RESPONSES["health"])
+    @app.get("/health", operation_id="health", responses=RESPONSES["health"])
     async def health() -> Response:
         if not engine.alive:
             why = engine.failure or "the engine thread is not running"
             return error_response(503, why, "server_error")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=RESPONSES["metrics"])
     async def prometheus() -> Response:
         status = await engine.call(lambda e: e.cache_status())
         text = metrics.render(status, engine.num_inflight)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/cache/status")
+    @app.get("/v1/cache/status", responses=RESPONSES["cache_status"])
     async def cache_status() -> JSONResponse:
         return JSONResponse(await engine.call(lambda e: e.cache_status()))
 
-    @app.post("/v1/cache/flush")
+    @app.post("/v1/cache/flush", responses=RESPONSES["cache_flush"])
     async def cache_flush() -> JSONResponse:
         def flush(e) -> dict:
             e.flush_cache()

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Sequence
 
 from deltaserve.config import EngineConfig
+from deltaserve.server.security import add_server_flags, server_options
 
 logger = logging.getLogger("deltaserve.server")
 
@@ -145,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None,
                        help="model name in the API (default: the --model path, or "
                             "deltaserve-default for the embedded model)")
+    add_server_flags(serve)
     add_engine_flags(serve)
     _add_log_level(serve)
     return parser
@@ -255,10 +257,11 @@ def _serve(args: argparse.Namespace) -> int:
     from deltaserve.server.api import build_app
     from deltaserve.server.async_engine import AsyncEngine
 
-    _check_listen(args.host, args.port)  # before minutes of model loading, not after
+    options = server_options(args)  # bad values and the port: before minutes of loading
+    _check_listen(args.host, args.port)
     engine = AsyncEngine(_make_engine(args), model_name=args.served_model_name)
     try:
-        app = build_app(engine)
+        app = build_app(engine, options)
         logger.info("serving %s", engine.model_name)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.log_level.lower(),

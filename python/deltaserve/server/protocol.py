@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from deltaserve.core import SamplingParams
+from deltaserve.server.limits import MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_TOKEN_IDS
 
 
 class InvalidRequest(Exception):
@@ -98,12 +99,12 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: StrictFloat | None = None
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: StrictBool = False  # JSON true/false only: "yes" or 1 is a 400, not True
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt | None = None
-    logit_bias: dict[str, StrictFloat] | None = None
+    logit_bias: dict[str, StrictFloat] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
 
     @property
@@ -227,7 +228,7 @@ TEMPLATE_CALL_ARGS = frozenset({"conversation", "tools", "documents", "chat_temp
 class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None

@@ -4,6 +4,7 @@ validation, non-streaming collection and SSE streaming."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from deltaserve.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from deltaserve.server.limits import chars_per_token_bound
 from deltaserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -38,8 +40,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("deltaserve.server")
 
-MAX_CHARS_PER_TOKEN = 256  # a generous bound: byte-level BPE tokens are far shorter
-
 
 def sse(payload: BaseModel | dict) -> str:
     """One server-sent event carrying `payload` as JSON."""
@@ -60,6 +60,11 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
+
+    @functools.cached_property
+    def chars_per_token(self) -> int:
+        """limits.chars_per_token_bound of the tokenizer: one pass over the vocabulary, once."""
+        return chars_per_token_bound(self._tokenizer("prompt"))
 
     # -- preparation -------------------------------------------------------------------------
 
@@ -100,8 +105,9 @@ class OpenAIServing:
 
     def _check_text_size(self, n_chars: int, param: str) -> None:
         """Refuse text that cannot fit the context whatever it tokenizes to (no token covers
-        more than MAX_CHARS_PER_TOKEN characters in practice), before spending time on it."""
-        limit = self.engine.max_model_len * MAX_CHARS_PER_TOKEN
+        more than `chars_per_token` characters: limits.chars_per_token_bound), before spending
+        time on it."""
+        limit = self.engine.max_model_len * self.chars_per_token
         if n_chars > limit:
             raise InvalidRequest(
                 f"the prompt has {n_chars} characters; this model's context of "

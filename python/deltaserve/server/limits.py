@@ -1,0 +1,133 @@
+"""Input bounds checked before any expensive work: the request-body cap (an ASGI middleware
+answering 413), the per-field caps of the request models, and the prompt character bound
+derived from the context length and the tokenizer's vocabulary.
+
+A refused request must cost little and keep nothing: the body cap counts bytes as they arrive
+(a declared Content-Length over the cap is refused before a byte is read), and the character
+bound is checked on the parsed text before the tokenizer runs (tokenizing ~8 MB took 10 s).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from deltaserve.server.errors import error_response
+
+logger = logging.getLogger("deltaserve.server")
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+# per-field caps (400 past them): each entry is looked at for every sampled token or rendered
+# into the prompt, so one request with millions of them stalls every stream in the batch.
+# 2048 messages is OpenAI's own limit; no vocabulary needs more stop ids or bias entries.
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_MESSAGES = 2048
+# used when the tokenizer's vocabulary gives no bound (not byte-level BPE): generous
+FALLBACK_CHARS_PER_TOKEN = 256
+# NFC/NFKC may compose up to 4 code points into one (U+1F87 = alpha + 3 marks), so a
+# normalizing tokenizer sees at least a quarter of the characters it was sent
+_NORMALIZED_CHARS_PER_CHAR = 4
+
+
+def chars_per_token_bound(tokenizer: Any) -> int:
+    """An upper bound on how many characters of input one token covers, for `tokenizer` (a
+    transformers fast tokenizer): the longest decoded vocabulary entry, times 4 when the
+    tokenizer normalizes (NFC composes up to 4 code points into one). A byte-level BPE keeps
+    every input byte, so a text of c characters cannot tokenize to fewer than c / bound tokens.
+    Other tokenizers (a pre-tokenizer may drop whitespace) get FALLBACK_CHARS_PER_TOKEN."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return FALLBACK_CHARS_PER_TOKEN
+    spec = json.loads(backend.to_str())
+    decoder, normalizer = spec.get("decoder") or {}, spec.get("normalizer")
+    if decoder.get("type") != "ByteLevel":
+        return FALLBACK_CHARS_PER_TOKEN
+    if normalizer is not None and not _composes_only(normalizer):
+        return FALLBACK_CHARS_PER_TOKEN
+    ids = list(tokenizer.get_vocab().values())
+    longest = max((len(backend.decode([i], skip_special_tokens=False)) for i in ids), default=1)
+    # an added (special) token is matched as its content, which decode() returns verbatim
+    factor = 1 if normalizer is None else _NORMALIZED_CHARS_PER_CHAR
+    return max(1, longest) * factor
+
+
+def _composes_only(normalizer: dict) -> bool:
+    """Whether `normalizer` only applies Unicode normal forms (and lowercasing), which shrink a
+    text by at most _NORMALIZED_CHARS_PER_CHAR; a Replace or Strip may shrink it without end."""
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_composes_only(n) for n in normalizer.get("normalizers", []))
+    return kind in ("NFC", "NFKC", "NFD", "NFKD", "Lowercase")
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body is over `max_bytes` gets 413 (OpenAI error object)
+    before the route runs. A declared Content-Length over the cap is refused without reading
+    the body; otherwise the body is read here (as the route would: FastAPI buffers it whole),
+    counted as it arrives and refused at the first chunk past the cap, then replayed to the
+    route. After the body the route's receive is the server's (it waits for a disconnect)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_request_bytes must be at least 1, got {max_bytes}")
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._refuse(scope, receive, send, declared)
+            return
+        chunks, seen = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.max_bytes:
+                chunks.clear()
+                await self._refuse(scope, receive, send, None)
+                return
+            if not message.get("more_body", False):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        del chunks
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed, body
+            if replayed:
+                return await receive()
+            replayed = True
+            message, body = {"type": "http.request", "body": body, "more_body": False}, b""
+            return message
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send,
+                      declared: int | None) -> None:
+        size = f"{declared} bytes" if declared is not None else f"over {self.max_bytes} bytes"
+        logger.info("%s %s -> 413: body of %s", scope.get("method"), scope.get("path"), size)
+        # the client may still be sending: close the connection rather than read the rest
+        response = error_response(
+            413, f"the request body is {size}; this server accepts at most {self.max_bytes} "
+                 "bytes (--max-request-bytes)", code="request_too_large",
+            headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the server (h11, httptools) refuses a malformed one itself
+    return None
