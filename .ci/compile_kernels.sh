@@ -20,6 +20,7 @@ cat > "$WORK/all_kernels.cu" <<'CU'
 #include "kernels/gdn_recurrent.cuh"
 #include "kernels/gdn_replay.cuh"
 #include "kernels/snapshot_copy.cuh"
+#include "kernels/fused.cuh"
 
 template <typename T>
 static void instantiate_for() {
@@ -33,6 +34,18 @@ static void instantiate_for() {
   (void)ds::conv::launch_conv_step<T, 4>(cp, true, nullptr);
   (void)ds::conv::launch_conv_commit<T, 4>(cp, nullptr);
   (void)ds::conv::launch_conv_prefill<T, 4>(cp, nullptr);
+  using ds::fused::Gate;
+  using ds::fused::Norm;
+  ds::fused::NormParams np{};
+  ds::fused::GateParams gp{};
+  for (bool vec : {false, true}) {
+    (void)ds::fused::launch_norm<T, Norm::kRms>(np, vec, nullptr);
+    (void)ds::fused::launch_norm<T, Norm::kAddRms>(np, vec, nullptr);
+    (void)ds::fused::launch_norm<T, Norm::kGated>(np, vec, nullptr);
+    (void)ds::fused::launch_norm<T, Norm::kQkRope>(np, vec, nullptr);
+    (void)ds::fused::launch_gate<T, Gate::kSigmoidMul>(gp, vec, nullptr);
+    (void)ds::fused::launch_gate<T, Gate::kSiluMul>(gp, vec, nullptr);
+  }
 }
 
 void instantiate_all() {

@@ -58,6 +58,17 @@ inline void check_rows(const at::Tensor& t, int inner, int64_t align, const char
               name, " must be 16-byte aligned");
 }
 
+// 16-byte accesses fit t's rows from element `offset` on, in pieces of `piece` elements: the
+// start, every outer stride, the offset and the piece whole 16-byte vectors (else the kernels
+// take their element-wise path).
+inline bool vectors_fit(const at::Tensor& t, int64_t piece, int64_t offset = 0) {
+  const int64_t n = 16 / t.element_size();
+  bool ok = piece % n == 0 && offset % n == 0 &&
+            reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int d = 0; d + 1 < t.dim(); ++d) ok = ok && t.stride(d) % n == 0;
+  return ok;
+}
+
 inline void check_launch(ds_error_t err, const char* op) {
   TORCH_CHECK(err == DS_SUCCESS, "deltaserve: ", op, " launch failed: ",
 #if DS_EMU

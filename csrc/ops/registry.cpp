@@ -1,11 +1,12 @@
 // The `deltaserve` op library: schemas, Meta (fake) implementations, and the Python module
-// entry point of deltaserve._C. CUDA implementations register from gdn.cu, conv1d.cu and
-// snapshot.cu. Only this file may say TORCH_LIBRARY(deltaserve): a second one aborts Python.
+// entry point of deltaserve._C. CUDA implementations register from gdn.cu, conv1d.cu,
+// snapshot.cu, fused.cu and fused_gate.cu. Only this file may say TORCH_LIBRARY(deltaserve): a second one aborts Python.
 #include <ATen/ops/empty.h>
 #include <Python.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <tuple>
 
 #include "library.h"
 
@@ -49,6 +50,26 @@ at::Tensor gdn_replay_verify_meta(const at::Tensor&, const at::Tensor&, const at
 void gdn_replay_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                      const at::Tensor&, const at::Tensor&, const at::Tensor&) {}
 void snapshot_copy_meta(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, c10::IntArrayRef) {}
+at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor&, double) { return like(x); }
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_meta(const at::Tensor& x, const at::Tensor&,
+                                                     const at::Tensor&, double) {
+  return {like(x), like(x)};
+}
+at::Tensor gated_rms_norm_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, double) {
+  return at::empty({x.size(0), x.size(1) * x.size(2)}, x.options());
+}
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope_meta(const at::Tensor& q_gate,
+                                                     const at::Tensor& k, const at::Tensor&,
+                                                     const at::Tensor&, const at::Tensor&,
+                                                     const at::Tensor&, double) {
+  return {at::empty({q_gate.size(0), q_gate.size(1), k.size(2)}, k.options()), like(k)};
+}
+at::Tensor sigmoid_gate_mul_meta(const at::Tensor& o, const at::Tensor&) {
+  return at::empty({o.size(0), o.size(1) * o.size(2)}, o.options());
+}
+at::Tensor silu_mul_meta(const at::Tensor& gate_up) {
+  return at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+}
 
 }  // namespace
 
@@ -74,6 +95,13 @@ DS_TORCH_LIBRARY(DS_OPS_NAMESPACE, m) {
   m.def("gdn_replay(Tensor stash_k, Tensor stash_v, Tensor stash_g, Tensor stash_beta, "
         "Tensor(a!) state, Tensor slots, Tensor accepted) -> ()");
   m.def("snapshot_copy(Tensor src, Tensor(a!) dst, int[] src_slots, int[] dst_slots) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("gated_rms_norm(Tensor x, Tensor z, Tensor weight, float eps) -> Tensor");
+  m.def("qk_norm_rope(Tensor q_gate, Tensor k, Tensor q_weight, Tensor k_weight, Tensor cos, "
+        "Tensor sin, float eps) -> (Tensor, Tensor)");
+  m.def("sigmoid_gate_mul(Tensor o, Tensor q_gate) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(DS_OPS_NAMESPACE, Meta, m) {
@@ -86,6 +114,12 @@ TORCH_LIBRARY_IMPL(DS_OPS_NAMESPACE, Meta, m) {
   m.impl("gdn_replay_verify", &gdn_replay_verify_meta);
   m.impl("gdn_replay", &gdn_replay_meta);
   m.impl("snapshot_copy", &snapshot_copy_meta);
+  m.impl("rms_norm", &rms_norm_meta);
+  m.impl("add_rms_norm", &add_rms_norm_meta);
+  m.impl("gated_rms_norm", &gated_rms_norm_meta);
+  m.impl("qk_norm_rope", &qk_norm_rope_meta);
+  m.impl("sigmoid_gate_mul", &sigmoid_gate_mul_meta);
+  m.impl("silu_mul", &silu_mul_meta);
 }
 
 }  // namespace ds_ops

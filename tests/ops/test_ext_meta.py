@@ -50,3 +50,17 @@ def test_conv_and_snapshot_ops_accept_meta_tensors():
     ops.causal_conv1d_commit(meta(2, 3, 64), meta(5, 3, 64), meta(2, dtype=i32),
                              meta(2, dtype=i32))
     ops.snapshot_copy(meta(2, 5, 8), meta(2, 5, 8), [1], [2])
+
+
+def test_fused_ops_report_output_shapes_and_dtypes_on_meta_tensors():
+    ops, f32 = torch.ops.deltaserve, torch.float32
+    t, d = 3, 64
+    assert ops.rms_norm(meta(t, 2, d), meta(d, dtype=f32), 1e-6).shape == (t, 2, d)
+    y, s = ops.add_rms_norm(meta(t, d), meta(t, d), meta(d, dtype=f32), 1e-6)
+    assert y.shape == s.shape == (t, d) and y.dtype == torch.bfloat16
+    assert ops.gated_rms_norm(meta(t, 4, 32), meta(t, 4, 32), meta(32), 1e-6).shape == (t, 128)
+    q, k = ops.qk_norm_rope(meta(t, 4, 2 * d), meta(t, 2, d), meta(d, dtype=f32),
+                            meta(d, dtype=f32), meta(t, 16), meta(t, 16), 1e-6)
+    assert q.shape == (t, 4, d) and k.shape == (t, 2, d) and q.is_meta
+    assert ops.sigmoid_gate_mul(meta(t, 4, d), meta(t, 4, 2 * d)).shape == (t, 4 * d)
+    assert ops.silu_mul(meta(t, 2 * d)).shape == (t, d)
