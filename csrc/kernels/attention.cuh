@@ -28,7 +28,11 @@ constexpr int kWarps = kThreads / kWarp;
 constexpr int kTile = kWarp;  // positions staged at a time: one per lane in the score phase
 constexpr int kMaxBlockRows = 16;  // q rows (heads x rows) one block holds: 4 per warp
 constexpr int kMinSplit = kTile;   // the smallest split (positions)
-constexpr int kBlocksPerSm = 4;    // the grid aims for this many blocks per multiprocessor
+// Blocks per multiprocessor the grid aims for: what stays resident on an H100/H200 (the 1- and
+// 2-rows-per-warp kernels take <= 127 registers a thread, the 4-rows one 168; 36-44 KB of
+// shared memory each), so the whole grid runs as one wave, with no tail of a second one.
+constexpr int kBlocksPerSm = 4;
+constexpr int kBlocksPerSmWide = 3;  // the 4-rows-per-warp kernel
 
 struct PagedAttnParams {
   const void* q;              // [N, R, Hq, D] T, dense
@@ -297,14 +301,17 @@ inline int heads_per_block(int Hq, int Hkv, int R) {
   return best;
 }
 
-// Splits per request in the grid: about kBlocksPerSm blocks per multiprocessor over the whole
-// batch, and no more than a request of max_kv_len positions can use (kMinSplit each).
-inline ds_error_t max_splits_for(int N, int Hq, int heads_block, int64_t max_kv_len, int* out) {
+// Splits per request in the grid: as many as keep the whole batch within one resident wave
+// (kBlocksPerSm blocks per multiprocessor), at least 1, and no more than a request of
+// max_kv_len positions can use (kMinSplit each).
+inline ds_error_t max_splits_for(int N, int R, int Hq, int heads_block, int64_t max_kv_len,
+                                 int* out) {
   int sms = 0;
   const ds_error_t err = multiprocessor_count(&sms);
   if (err != DS_SUCCESS) return err;
   const int64_t blocks = int64_t(N) * (Hq / heads_block);
-  int64_t want = ceil_div(int64_t(kBlocksPerSm) * sms, blocks > 0 ? blocks : 1);
+  const int per_sm = heads_block * R > 2 * kWarps ? kBlocksPerSmWide : kBlocksPerSm;
+  int64_t want = int64_t(per_sm) * sms / (blocks > 0 ? blocks : 1);
   const int64_t most = ceil_div(max_kv_len > 1 ? max_kv_len : 1, kMinSplit);
   *out = static_cast<int>(want < 1 ? 1 : (want > most ? most : want));
   return DS_SUCCESS;

@@ -6,13 +6,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+PEAK = 6.0  # q_scale of the kernel tests (see paged_case)
+
 
 def paged_case(lens: list[int], rows: int, hq: int, hkv: int, d: int, page_size: int,
-               dtype: torch.dtype, device: str = "cpu", seed: int = 0, spare_pages: int = 3):
-    """Random q [N, R, Hq, D] and caches [P, page_size, Hkv, D] whose pages are handed out in a
-    shuffled order (page 0 never: the padding sink); a length of 0 makes a padding request
-    (kv_len = R on a zero table row). Returns q, k_cache, v_cache, page_table [N, M] int32,
-    kv_lens [N] int32."""
+               dtype: torch.dtype, device: str = "cpu", seed: int = 0, spare_pages: int = 3,
+               q_scale: float = 1.0):
+    """Random q [N, R, Hq, D] (times q_scale) and caches [P, page_size, Hkv, D] whose pages are
+    handed out in a shuffled order (page 0 never: the padding sink); a length of 0 makes a
+    padding request (kv_len = R on a zero table row). Returns q, k_cache, v_cache,
+    page_table [N, M] int32, kv_lens [N] int32. With q_scale ~6 the softmax of D^-1/2-scaled
+    scores is peaked on a few positions anywhere in the context, so outputs stay O(1) at any
+    length and a position (or split) left out moves them by O(1), not O(1/length)."""
     gen = torch.Generator().manual_seed(seed)
     lens = [n if n else rows for n in lens]
     need = [-(-n // page_size) for n in lens]
@@ -26,7 +31,7 @@ def paged_case(lens: list[int], rows: int, hq: int, hkv: int, d: int, page_size:
     shape = (num_pages, page_size, hkv, d)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
-    q = torch.randn((len(lens), rows, hq, d), generator=gen).to(dtype)
+    q = (torch.randn((len(lens), rows, hq, d), generator=gen) * q_scale).to(dtype)
     kv_lens = torch.tensor(lens, dtype=torch.int32)
     return tuple(t.to(device) for t in (q, k_cache, v_cache, table, kv_lens))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import kernels_emu
 import pytest
 import torch
-from attention_helpers import paged_case
+from attention_helpers import PEAK, paged_case
 
 from deltaserve.ops.attention import (
     kv_append,
@@ -36,19 +36,21 @@ CASES = [  # lens (0: padding), rows, hq, hkv, d, page_size
 
 @pytest.mark.parametrize("lens,rows,hq,hkv,d,page_size", CASES)
 def test_kernel_matches_the_reference(lens, rows, hq, hkv, d, page_size):
-    q, kc, vc, table, kv_lens = paged_case(lens, rows, hq, hkv, d, page_size, torch.bfloat16)
+    q, kc, vc, table, kv_lens = paged_case(lens, rows, hq, hkv, d, page_size, torch.bfloat16,
+                                           q_scale=PEAK)
     # max_kv_len large: the emulated device's 132 SMs give several splits even at these lengths
     got = paged_attention(q, kc, vc, table, kv_lens, d ** -0.5, 4096)
     want = paged_attention_ref(q, kc, vc, table, kv_lens, d ** -0.5, 4096)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1.6e-2)
 
 
 def test_one_split_writes_the_output_directly():
     # max_kv_len 1: a one-split grid, no merge
-    q, kc, vc, table, kv_lens = paged_case([20, 3], 2, 4, 2, 128, 4, torch.bfloat16)
+    q, kc, vc, table, kv_lens = paged_case([20, 3], 2, 4, 2, 128, 4, torch.bfloat16,
+                                           q_scale=PEAK)
     got = paged_attention(q, kc, vc, table, kv_lens, 0.1, 1)
     want = paged_attention_ref(q, kc, vc, table, kv_lens, 0.1, 64)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1.6e-2)
 
 
 def test_kv_append_kernel_equals_the_reference_bit_for_bit():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_helpers import paged_case
+from attention_helpers import PEAK, paged_case
 
 from deltaserve.ops._ext import extension_loaded
 from deltaserve.ops.attention import (
@@ -38,15 +38,16 @@ def _check(q, kc, vc, table, kv_lens, max_len=MAX_LEN):
     d = q.shape[-1]
     got = paged_attention(q, kc, vc, table, kv_lens, d ** -0.5, max_len)
     want = paged_attention_ref(q, kc, vc, table, kv_lens, d ** -0.5, max_len)
-    # bf16 output of an fp32 computation on both sides: a couple of bf16 ulps
-    torch.testing.assert_close(got.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)
+    # bf16 output of an fp32 computation on both sides (peaked softmax: outputs O(1) at every
+    # length, so a position or split left out is far outside this): a few bf16 ulps
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1.6e-2)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64, 128])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_decode_and_verify_match_the_reference_at_every_length(page_size, rows):
-    q, kc, vc, table, kv_lens = paged_case(_lens(page_size, rows), rows, 8, 2, 256,
-                                           page_size, torch.bfloat16, DEV, seed=page_size)
+    q, kc, vc, table, kv_lens = paged_case(_lens(page_size, rows), rows, 8, 2, 256, page_size,
+                                           torch.bfloat16, DEV, seed=page_size, q_scale=PEAK)
     _check(q, kc, vc, table, kv_lens)
 
 
@@ -56,21 +57,23 @@ def test_decode_and_verify_match_the_reference_at_every_length(page_size, rows):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gqa_ratios_head_dims_and_dtypes(hq, hkv, d, rows, dtype):
     lens = [rows, 100, 1025, 5000, 0, 17_000]
-    q, kc, vc, table, kv_lens = paged_case(lens, rows, hq, hkv, d, 16, dtype, DEV, seed=d)
+    q, kc, vc, table, kv_lens = paged_case(lens, rows, hq, hkv, d, 16, dtype, DEV, seed=d,
+                                           q_scale=PEAK)
     _check(q, kc, vc, table, kv_lens)
 
 
 @pytest.mark.parametrize("batch", [1, 8, 32, 128])
 def test_batch_sizes_change_the_split_plan_not_the_answer(batch):
     lens = [(i * 997) % 9000 + 1 for i in range(batch)]
-    q, kc, vc, table, kv_lens = paged_case(lens, 1, 8, 2, 256, 16, torch.bfloat16, DEV)
+    q, kc, vc, table, kv_lens = paged_case(lens, 1, 8, 2, 256, 16, torch.bfloat16, DEV,
+                                           q_scale=PEAK)
     _check(q, kc, vc, table, kv_lens, max_len=9001)
 
 
 def test_one_graph_serves_every_length():
     rows, page_size = 4, 16
     q, kc, vc, table, kv_lens = paged_case([MAX_LEN - 8] * 4, rows, 8, 2, 256, page_size,
-                                           torch.bfloat16, DEV)
+                                           torch.bfloat16, DEV, q_scale=PEAK)
     static_lens = kv_lens.clone()
     out = paged_attention(q, kc, vc, table, static_lens, 256 ** -0.5, MAX_LEN)  # warm-up
     graph = torch.cuda.CUDAGraph()
@@ -80,14 +83,14 @@ def test_one_graph_serves_every_length():
         static_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         graph.replay()
         want = paged_attention_ref(q, kc, vc, table, static_lens, 256 ** -0.5, MAX_LEN)
-        torch.testing.assert_close(out.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)
+        torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=1.6e-2)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 128])
 def test_kv_append_equals_the_reference_bit_for_bit(page_size):
     rows = 4
     q, kc, vc, table, kv_lens = paged_case([4, 77, 0, 129, 1000], rows, 8, 2, 256, page_size,
-                                           torch.bfloat16, DEV)
+                                           torch.bfloat16, DEV, q_scale=PEAK)
     k = torch.randn(5 * rows, 2, 256, device=DEV).bfloat16()
     v = torch.randn(5 * rows, 2, 256, device=DEV).bfloat16()
     want_k, want_v = kc.clone(), vc.clone()
