@@ -50,3 +50,15 @@ def test_conv_and_snapshot_ops_accept_meta_tensors():
     ops.causal_conv1d_commit(meta(2, 3, 64), meta(5, 3, 64), meta(2, dtype=i32),
                              meta(2, dtype=i32))
     ops.snapshot_copy(meta(2, 5, 8), meta(2, 5, 8), [1], [2])
+
+
+def test_attention_ops_report_output_shapes_and_dtypes_on_meta_tensors():
+    i32 = torch.int32
+    n, r, hq, hkv, d = 3, 4, 8, 2, 256
+    ops = torch.ops.deltaserve
+    cache = meta(10, 16, hkv, d)
+    o = ops.paged_attention(meta(n, r, hq, d), cache, cache, meta(n, 5, dtype=i32),
+                            meta(n, dtype=i32), 0.0625, 80)
+    assert o.shape == (n, r, hq, d) and o.dtype == torch.bfloat16 and o.is_meta
+    ops.kv_append(meta(n * r, hkv, d), meta(n * r, hkv, d), cache, cache, meta(n, 5, dtype=i32),
+                  meta(n, dtype=i32))

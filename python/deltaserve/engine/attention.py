@@ -135,7 +135,7 @@ class PagedMetadata:
             got = pages[:cols]
             table[i, :len(got)] = got
         lens = np.full(self.kv_lens.shape[0], rows, dtype=np.int32)
-        lens[:n] += starts
+        lens[:n] += np.asarray(starts, dtype=np.int32)
         self.page_table[:, :cols].copy_(torch.from_numpy(table), non_blocking=True)
         self.kv_lens.copy_(torch.from_numpy(lens), non_blocking=True)
 
