@@ -16,6 +16,7 @@ NVCC="$CUDA_HOME/bin/nvcc"
 
 # One TU that instantiates every kernel through its host launcher, for all storage types.
 cat > "$WORK/all_kernels.cu" <<'CU'
+#include "kernels/attention.cuh"
 #include "kernels/conv1d.cuh"
 #include "kernels/gdn_recurrent.cuh"
 #include "kernels/gdn_replay.cuh"
@@ -48,10 +49,22 @@ static void instantiate_for() {
   }
 }
 
+// Paged attention and KV append: 16-bit KV only; D 128 / 256 and 1, 2, 4 rows per warp are
+// all reached through the launcher's dispatch.
+template <typename T>
+static void instantiate_attention_for() {
+  ds::attn::PagedAttnParams ap{};
+  ds::attn::KVAppendParams kp{};
+  (void)ds::attn::launch_paged_attention<T>(ap, nullptr);
+  (void)ds::attn::launch_kv_append<T>(kp, nullptr);
+}
+
 void instantiate_all() {
   instantiate_for<ds::bf16>();
   instantiate_for<ds::f16>();
   instantiate_for<float>();
+  instantiate_attention_for<ds::bf16>();
+  instantiate_attention_for<ds::f16>();
   ds::gdn::ReplayParams p{};
   for (int k : {32, 64, 128, 256}) (void)ds::gdn::launch_gdn_replay(p, k, nullptr);
   ds::snapshot::SnapshotCopyParams sp{};

@@ -9,6 +9,7 @@ when --anchor is given. Prints a table and writes JSON.
     python benchmarks/bench_e2e.py --model default --out e2e_default.json   # a given checkpoint
     python benchmarks/bench_e2e.py --config qwen3.6-35b-a3b --out e2e_35b.json  # dummy weights
     python benchmarks/bench_e2e.py --config qwen3-next-80b-a3b --layers 24 --out e2e_next.json
+    python benchmarks/bench_e2e.py --long-context --out e2e_long.json   # decode at 128..32k
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--anchor", action="store_true", help="also time transformers")
     ap.add_argument("--profile", action="store_true", help="profile 8 batch-1 decode steps")
+    ap.add_argument("--long-context", action="store_true",
+                    help="only decode tok/s at long contexts (long_context_decode)")
     ap.add_argument("--out", default="e2e.json")
     args = ap.parse_args()
     if args.config is not None and (args.anchor or args.model is not None):
@@ -128,6 +131,11 @@ def main() -> None:
             res["params"] = sum(p.numel() for p in llm.engine.model.parameters())
             res.update(e2e_configs.rooflines(llm.engine.model, args.prefill_tokens, 256))
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        if args.long_context:
+            res.update(long_context_decode(llm, args.vocab, args.decode_tokens))
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=2)
+            return
         long = prompt(args.prefill_tokens, args.vocab, 1)
         for _ in range(2):  # the first pass compiles fla-core's Triton kernels for these shapes
             res.update(prefill_protocol(llm, long, args.vocab, one))
@@ -210,6 +218,38 @@ def profile_decode(llm: LLM, vocab: int) -> str:
     while eng.has_unfinished():
         eng.step()
     return prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
+
+
+LONG_CONTEXT_CASES = ((128, 1), (16384, 1), (128, 8), (16384, 8), (128, 4), (32768, 4))
+
+
+def long_context_decode(llm: LLM, vocab: int, n: int) -> dict:
+    """Decode tok/s of `batch` requests whose prompts hold `ctx` tokens, for each case of
+    LONG_CONTEXT_CASES (each long case beside the 128-token case of its batch), and the graph
+    runner's counts of decode steps run through a graph and run eagerly (0 at every length:
+    the graphs read lengths from device tensors). Prints one line per case."""
+    res = {}
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    graphs = llm.engine.graphs
+    for ctx, batch in (LONG_CONTEXT_CASES[0],) + LONG_CONTEXT_CASES:  # the first: warm-up
+        prompts = [prompt(ctx, vocab, 1000 + i) for i in range(batch)]
+        llm.engine.flush_cache()
+        t_pre = timed(llm.generate, prompts, one)
+        llm.engine.flush_cache()
+        before = (graphs.graph_steps, graphs.eager_steps) if graphs else (0, 0)
+        t_all = timed(llm.generate, prompts, params)
+        key = f"decode_ctx{ctx}_b{batch}"
+        res[f"{key}_tok_s"] = batch * (n - 1) / max(t_all - t_pre, 1e-9)
+        if graphs:
+            res[f"{key}_graph_steps"] = graphs.graph_steps - before[0]
+            res[f"{key}_eager_steps"] = graphs.eager_steps - before[1]
+        base = res.get(f"decode_ctx128_b{batch}_tok_s")
+        ratio = f"{res[f'{key}_tok_s'] / base:.2f}x of ctx 128" if base and ctx > 128 else ""
+        print(f"{key:24s} {res[f'{key}_tok_s']:9.1f} tok/s  graph steps "
+              f"{res.get(f'{key}_graph_steps', '-')}, eager {res.get(f'{key}_eager_steps', '-')}"
+              f"  {ratio}", flush=True)
+    return res
 
 
 def anchor(path: str, args) -> dict:

@@ -20,12 +20,13 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
-from deltaserve.engine.attention import AttentionMetadata
+from deltaserve.engine.attention import PagedMetadata
 from deltaserve.spec.ngram.proposer import NgramProposer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from engine.test_attention_metadata import reference_padded  # noqa: E402
+from engine.test_attention_metadata import reference_paged  # noqa: E402
 from spec.test_ngram import reference_lookup  # noqa: E402
 
 
@@ -54,15 +55,18 @@ def main() -> None:
     starts = [rng.randint(args.kv_len // 2, args.kv_len - args.rows) for _ in range(args.batch)]
     tables = [rng.sample(range(1, 100_000), -(-(s + args.rows) // args.page_size))
               for s in starts]
-    meta_args = (tables, starts, args.rows, args.page_size, args.batch, args.kv_len)
+    meta = PagedMetadata.allocate(args.batch, args.rows, args.kv_len, args.page_size,
+                                  torch.device("cpu"))
+    max_pages = meta.page_table.shape[1]
     rows = {
         f"ngram lookup, {args.seq_len} tokens, no match": (
             per_call_ms(lambda: ngram.lookup(arr)),
             per_call_ms(lambda: reference_lookup(ids, 3), min_s=0.2)),
         f"graph-step attention metadata, {args.batch} req x {args.rows} rows x "
         f"{args.kv_len} KV": (
-            per_call_ms(lambda: AttentionMetadata.build_padded(*meta_args)),
-            per_call_ms(lambda: reference_padded(*meta_args), min_s=0.2)),
+            per_call_ms(lambda: meta.fill(tables, starts, args.page_size)),
+            per_call_ms(lambda: reference_paged(tables, starts, args.rows, args.page_size,
+                                                args.batch, max_pages), min_s=0.2)),
     }
     print(f"{'what':60s} {'engine ms':>10s} {'definition ms':>14s}")
     for what, (ours, ref) in rows.items():

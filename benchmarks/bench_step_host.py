@@ -23,7 +23,7 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.core import Phase
-from deltaserve.engine.attention import AttentionMetadata
+from deltaserve.engine.attention import PagedMetadata
 from deltaserve.engine.model_runner import ForwardOutput
 
 
@@ -41,9 +41,10 @@ def stub_forward(engine, vocab: int):
         torch.tensor([p for r in batch.reqs for p in range(r.device_len, r.device_len + rows)])
         torch.tensor([r.slot for r in batch.reqs], dtype=torch.int32)
         if batch.phase is not Phase.PREFILL:
-            AttentionMetadata.build_padded([r.page_table for r in batch.reqs],
-                                           [r.device_len for r in batch.reqs], rows,
-                                           runner.kv.page_size, n, 2048)
+            meta = PagedMetadata.allocate(n, rows, 2048, runner.kv.page_size,
+                                          torch.device("cpu"))
+            meta.fill([r.page_table for r in batch.reqs], [r.device_len for r in batch.reqs],
+                      runner.kv.page_size)
             owners = [r for r in batch.reqs for _ in range(rows)]
         else:
             owners = [r for r, m in zip(batch.reqs, batch.extend_lens)

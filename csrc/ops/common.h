@@ -102,3 +102,14 @@ inline ds_stream_t stream_of(const at::Tensor& t) {
                            c10::toString(dtype));                                      \
     }                                                                                  \
   }()
+
+// The same over the 16-bit storage types only (kernels that stage 16-byte words of 8 elements).
+#define DS_DISPATCH_HALF(dtype, name, ...)                                             \
+  [&] {                                                                                \
+    switch (dtype) {                                                                   \
+      case at::kBFloat16: { using scalar_t = ds::bf16; return __VA_ARGS__(); }         \
+      case at::kHalf: { using scalar_t = ds::f16; return __VA_ARGS__(); }              \
+      default: TORCH_CHECK(false, "deltaserve: ", name, ": unsupported dtype ",         \
+                           c10::toString(dtype));                                      \
+    }                                                                                  \
+  }()

@@ -1,6 +1,7 @@
 // The `deltaserve` op library: schemas, Meta (fake) implementations, and the Python module
 // entry point of deltaserve._C. CUDA implementations register from gdn.cu, conv1d.cu,
-// snapshot.cu, fused.cu and fused_gate.cu. Only this file may say TORCH_LIBRARY(deltaserve): a second one aborts Python.
+// snapshot.cu, fused.cu, fused_gate.cu and attention.cu. Only this file may say
+// TORCH_LIBRARY(deltaserve): a second one aborts Python.
 #include <ATen/ops/empty.h>
 #include <Python.h>
 #include <torch/library.h>
@@ -49,6 +50,12 @@ at::Tensor gdn_replay_verify_meta(const at::Tensor&, const at::Tensor&, const at
 }
 void gdn_replay_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                      const at::Tensor&, const at::Tensor&, const at::Tensor&) {}
+at::Tensor paged_attention_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, double, int64_t) {
+  return like(q);
+}
+void kv_append_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, const at::Tensor&) {}
 void snapshot_copy_meta(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, c10::IntArrayRef) {}
 at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor&, double) { return like(x); }
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_meta(const at::Tensor& x, const at::Tensor&,
@@ -94,6 +101,10 @@ DS_TORCH_LIBRARY(DS_OPS_NAMESPACE, m) {
         "-> Tensor");
   m.def("gdn_replay(Tensor stash_k, Tensor stash_v, Tensor stash_g, Tensor stash_beta, "
         "Tensor(a!) state, Tensor slots, Tensor accepted) -> ()");
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
+        "Tensor kv_lens, float scale, int max_kv_len) -> Tensor");
+  m.def("kv_append(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor page_table, Tensor kv_lens) -> ()");
   m.def("snapshot_copy(Tensor src, Tensor(a!) dst, int[] src_slots, int[] dst_slots) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -113,6 +124,8 @@ TORCH_LIBRARY_IMPL(DS_OPS_NAMESPACE, Meta, m) {
   m.impl("gdn_verify", &gdn_verify_meta);
   m.impl("gdn_replay_verify", &gdn_replay_verify_meta);
   m.impl("gdn_replay", &gdn_replay_meta);
+  m.impl("paged_attention", &paged_attention_meta);
+  m.impl("kv_append", &kv_append_meta);
   m.impl("snapshot_copy", &snapshot_copy_meta);
   m.impl("rms_norm", &rms_norm_meta);
   m.impl("add_rms_norm", &add_rms_norm_meta);

@@ -64,3 +64,15 @@ def test_fused_ops_report_output_shapes_and_dtypes_on_meta_tensors():
     assert q.shape == (t, 4, d) and k.shape == (t, 2, d) and q.is_meta
     assert ops.sigmoid_gate_mul(meta(t, 4, d), meta(t, 4, 2 * d)).shape == (t, 4 * d)
     assert ops.silu_mul(meta(t, 2 * d)).shape == (t, d)
+
+
+def test_attention_ops_report_output_shapes_and_dtypes_on_meta_tensors():
+    i32 = torch.int32
+    n, r, hq, hkv, d = 3, 4, 8, 2, 256
+    ops = torch.ops.deltaserve
+    cache = meta(10, 16, hkv, d)
+    o = ops.paged_attention(meta(n, r, hq, d), cache, cache, meta(n, 5, dtype=i32),
+                            meta(n, dtype=i32), 0.0625, 80)
+    assert o.shape == (n, r, hq, d) and o.dtype == torch.bfloat16 and o.is_meta
+    ops.kv_append(meta(n * r, hkv, d), meta(n * r, hkv, d), cache, cache, meta(n, 5, dtype=i32),
+                  meta(n, dtype=i32))

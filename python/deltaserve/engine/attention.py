@@ -1,16 +1,25 @@
-"""Paged KV storage for the full-attention layers and the torch attention backend over it.
+"""Paged KV storage for the full-attention layers and the attention backend over it.
 
-The backend writes each new row's k/v into its page, gathers every request's cached positions
-plus its new rows into a padded [N, L, Hkv, D] block and runs `scaled_dot_product_attention`
-with a causal mask per request (position j is visible to a row at position p iff j <= p).
+Decode and verify steps (`PagedMetadata`) append their rows with `ops.kv_append` and attend
+in place with `ops.paged_attention`: the CUDA kernel reads page tables and lengths from device
+tensors (one CUDA graph per batch size serves every context length); elsewhere the ops'
+pure-torch references run. Prefill chunks (`AttentionMetadata`) write their rows into their
+pages, gather every request's cached positions plus its new rows into a padded [N, L, Hkv, D]
+block once per layer and run `scaled_dot_product_attention` with a causal mask per request
+(position j is visible to a row at position p iff j <= p): a chunk of C rows over L positions
+does O(C * L * D) math on O(L * D) gathered bytes, so the one gather is a small part of its
+time, and SDPA's flash kernels do the math.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from deltaserve.ops.attention import kv_append, paged_attention
 
 
 class PagedKVCache:
@@ -76,47 +85,73 @@ class AttentionMetadata:
         return cls(torch.cat(write).to(device), gather.to(device), row_index.to(device),
                    mask.to(device))
 
-    @classmethod
-    def build_padded(cls, page_tables: list[list[int]], starts: list[int], rows: int,
-                     page_size: int, num_reqs: int, kv_len: int) -> AttentionMetadata:
-        """Fixed-shape metadata on the host for a CUDA graph of `num_reqs` requests x `rows`
-        rows over `kv_len` positions: real requests first, then padding requests whose rows
-        write the padding page 0 and attend only position 0 (no fully masked row: no NaN).
-        Row r of request i is flat row i * rows + r."""
-        n = len(starts)
-        assert n <= num_reqs and all(s + rows <= kv_len for s in starts)
-        gather = torch.zeros((num_reqs, kv_len), dtype=torch.long)
-        write = torch.zeros((num_reqs, rows), dtype=torch.long)
-        mask = torch.zeros((num_reqs, 1, rows, kv_len), dtype=torch.bool)
-        mask[n:, 0, :, 0] = True
-        if n:  # one set of batched ops for all requests: this runs on the host every step
-            n_pages = -(-kv_len // page_size)
-            table = torch.tensor([t[:n_pages] + [0] * (n_pages - len(t[:n_pages]))
-                                  for t in page_tables[:n]], dtype=torch.long)
-            pos = torch.arange(kv_len)
-            flat = table[:, pos // page_size] * page_size + pos % page_size  # [n, kv_len]
-            q_pos = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(rows)
-            gather[:n] = flat.masked_fill(pos[None, :] > q_pos[:, -1:], 0)
-            write[:n] = flat.gather(1, q_pos)
-            mask[:n, 0] = pos[None, None, :] <= q_pos[:, :, None]
-        row_index = torch.arange(num_reqs * rows).view(num_reqs, rows)
-        return cls(write.view(-1), gather, row_index, mask)
 
-    def copy_(self, other: AttentionMetadata) -> None:
-        """Overwrite these (static, same-shape) tensors with `other`'s values."""
-        for name in ("write_index", "gather_index", "row_index", "mask"):
-            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+@dataclass
+class PagedMetadata:
+    """Decode / verify metadata that the kernels read on the device, shared by every layer.
+
+    page_table [N, M] int32: request i's pages (columns past its pages: 0, the padding page).
+    kv_lens [N] int32: positions of request i after this step's rows (device_len + rows).
+    rows: rows per request (1 decode, k+1 verify); row r of request i is flat row i * rows + r.
+    max_kv_len: a host bound on kv_lens (sizes the kernel's split grid; a graph: max_model_len).
+    Padding requests (a graph's batch bucket) have a zero table row and kv_lens = rows.
+    """
+
+    page_table: torch.Tensor
+    kv_lens: torch.Tensor
+    rows: int
+    max_kv_len: int
+
+    @classmethod
+    def allocate(cls, num_reqs: int, rows: int, max_kv_len: int, page_size: int,
+                 device: torch.device) -> PagedMetadata:
+        """Static buffers for a graph of `num_reqs` requests: all padding until `fill`."""
+        max_pages = -(-max_kv_len // page_size)
+        table = torch.zeros((num_reqs, max_pages), dtype=torch.int32, device=device)
+        lens = torch.full((num_reqs,), rows, dtype=torch.int32, device=device)
+        return cls(table, lens, rows, max_kv_len)
+
+    @classmethod
+    def build(cls, page_tables: list[list[int]], starts: list[int], rows: int,
+              page_size: int, device: torch.device) -> PagedMetadata:
+        """Eager metadata for len(starts) requests whose rows start at `starts`."""
+        max_kv_len = max(starts) + rows
+        meta = cls.allocate(len(starts), rows, max_kv_len, page_size, torch.device("cpu"))
+        meta.fill(page_tables, starts, page_size)
+        return cls(meta.page_table.to(device), meta.kv_lens.to(device), rows, max_kv_len)
+
+    def fill(self, page_tables: list[list[int]], starts: list[int], page_size: int) -> None:
+        """Point the first len(starts) requests at these pages and lengths; the rest become
+        padding. Only the columns this batch needs are written: a column past a request's
+        length is never read by the kernel, and the reference masks it (any page id < P)."""
+        n, rows = len(starts), self.rows
+        if max(starts, default=0) + rows > self.max_kv_len:
+            raise ValueError(f"a request reaches {max(starts) + rows} positions, past this "
+                             f"step's max_kv_len {self.max_kv_len}")
+        cols = -(-(max(starts, default=0) + rows) // page_size)
+        # numpy rows: 5x faster than torch per-row writes on the host (bench_host.py)
+        table = np.zeros((self.page_table.shape[0], cols), dtype=np.int32)
+        for i, pages in enumerate(page_tables[:n]):
+            got = pages[:cols]
+            table[i, :len(got)] = got
+        lens = np.full(self.kv_lens.shape[0], rows, dtype=np.int32)
+        lens[:n] += np.asarray(starts, dtype=np.int32)
+        self.page_table[:, :cols].copy_(torch.from_numpy(table), non_blocking=True)
+        self.kv_lens.copy_(torch.from_numpy(lens), non_blocking=True)
 
 
 class PagedAttentionBackend:
-    """AttentionBackend over a PagedKVCache for one forward (see core.AttentionBackend)."""
+    """AttentionBackend over a PagedKVCache for one forward (see core.AttentionBackend):
+    in place for decode / verify (`PagedMetadata`), gather + SDPA for prefill."""
 
-    def __init__(self, kv: PagedKVCache, meta: AttentionMetadata) -> None:
+    def __init__(self, kv: PagedKVCache, meta: AttentionMetadata | PagedMetadata) -> None:
         self.kv, self.meta = kv, meta
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
         li = self.kv.layer_index[layer_id]
+        if isinstance(self.meta, PagedMetadata):
+            return self._paged(li, q, k, v)
         k_flat = self.kv.k[li].view(-1, *self.kv.k.shape[-2:])
         v_flat = self.kv.v[li].view(-1, *self.kv.v.shape[-2:])
         k_flat[self.meta.write_index] = k.to(k_flat.dtype)
@@ -136,3 +171,13 @@ class PagedAttentionBackend:
         flat = q.new_empty(num_rows + 1, hq, d)
         flat[self.meta.row_index] = out
         return flat[:num_rows]
+
+    def _paged(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N * R, Hq, D], k/v [N * R, Hkv, D] -> [N * R, Hq, D]; softmax scale D^-1/2 (the
+        model's `scaling`, and what SDPA's default gave the gather path)."""
+        meta, kc, vc = self.meta, self.kv.k[li], self.kv.v[li]
+        kv_append(k, v, kc, vc, meta.page_table, meta.kv_lens)
+        t, hq, d = q.shape
+        out = paged_attention(q.reshape(t // meta.rows, meta.rows, hq, d).to(kc.dtype), kc, vc,
+                              meta.page_table, meta.kv_lens, d ** -0.5, meta.max_kv_len)
+        return out.view(t, hq, d).to(q.dtype)

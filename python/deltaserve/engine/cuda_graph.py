@@ -1,15 +1,16 @@
 """CUDA graphs for decode and verify steps.
 
-One graph per (padded batch size, padded KV length) bucket, and for verify per stash written
-(two, alternating: see GDNStatePool's deferred replay), captured on first use into one
-shared memory pool. A graph runs the whole step: embeddings, every layer (paged attention over
-`kv_len` gathered positions, GDN decode or verify against the state pool), the final norm and
-the logits of every row. Inputs live in static buffers refilled before each replay; padding
-requests use the padding slot 0 and the padding page 0, so they never touch a real request.
-Outputs (logits, hidden, the verify stash and conv inputs that `commit` reads) stay valid until
-the next replay. A verify graph always takes pending rows from a static int32 buffer (zeros
-when none are pending for its batch). MoE models are captured when their experts run without
-a host sync at the largest batch (`model.mlp.moe_graph_safe`).
+One graph per padded batch size, and for verify per stash written (two, alternating: see
+GDNStatePool's deferred replay), captured on first use into one shared memory pool. A graph
+runs the whole step: embeddings, every layer (KV append and paged attention reading the page
+tables and lengths from static device buffers, so one graph serves every context length up to
+max_model_len; GDN decode or verify against the state pool), the final norm and the logits of
+every row. Inputs live in static buffers refilled before each replay; padding requests use the
+padding slot 0 and the padding page 0, so they never touch a real request. Outputs (logits,
+hidden, the verify stash and conv inputs that `commit` reads) stay valid until the next
+replay. A verify graph always takes pending rows from a static int32 buffer (zeros when none
+are pending for its batch). MoE models are captured when their experts run without a host
+sync at the largest batch (`model.mlp.moe_graph_safe`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.core import Batch, ForwardContext, Phase
-from deltaserve.engine.attention import AttentionMetadata, PagedAttentionBackend
+from deltaserve.engine.attention import PagedAttentionBackend, PagedMetadata
 from deltaserve.engine.gdn_backend import GDNMetadata, PoolGDNBackend
 from deltaserve.engine.model_runner import ForwardOutput, ModelRunner
 
@@ -38,7 +39,7 @@ class _Graph:
     replay: Callable[[], object]  # the graph's replay (or, uncaptured, the eager step)
     input_ids: torch.Tensor  # [B * R] int64
     positions: torch.Tensor  # [B * R] int64
-    attn: AttentionMetadata  # static tensors, shapes of (B, R, L)
+    attn: PagedMetadata  # static page table [B, max_pages] and lengths [B]
     gdn: PoolGDNBackend  # holds the static slots [B] and, for verify, the conv inputs
     hidden: torch.Tensor  # [B * R, hidden]
     logits: torch.Tensor  # [B * R, vocab] fp32
@@ -57,26 +58,35 @@ class GraphRunner:
         self.rows = rows
         self.phase = Phase.VERIFY if rows > 1 else Phase.DECODE
         self.batch_buckets = [x for x in buckets(max_reqs, 1) if x < max_reqs] + [max_reqs]
-        self.len_buckets = [n for n in buckets(max_kv_len, 256) if n <= 8192]
-        # (batch bucket, KV bucket) for decode; + the index of the stash written, for verify
+        # every step attends at most max_kv_len positions (a request's length plus its rows)
+        self.max_kv_len = max_kv_len + rows
+        # (batch bucket,) for decode; + the index of the stash written, for verify
         self.graphs: dict[tuple[int, ...], _Graph] = {}
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        # steps of this runner's phase run through a graph / declined (run eagerly): the
+        # long-context benchmark reports both (no eager step at any length)
+        self.graph_steps = 0
+        self.eager_steps = 0
 
-    def bucket(self, batch: Batch) -> tuple[int, int] | None:
+    def bucket(self, batch: Batch) -> tuple[int] | None:
+        """The batch bucket of `batch`, or None: another phase, or more requests or positions
+        than the graphs were sized for (the engine runs it eagerly)."""
         if batch.phase is not self.phase or batch.rows_per_req != self.rows:
             return None
-        need_len = max(r.device_len for r in batch.reqs) + self.rows
+        if max(r.device_len for r in batch.reqs) + self.rows > self.max_kv_len:
+            return None
         b = next((x for x in self.batch_buckets if x >= batch.size), None)
-        n = next((x for x in self.len_buckets if x >= need_len), None)
-        return None if b is None or n is None else (b, n)
+        return None if b is None else (b,)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, keep_hidden: bool = False) -> ForwardOutput | None:
         """Run `batch` through its bucket's graph; None when no bucket fits (run eagerly)."""
         key = self.bucket(batch)
         if key is None:
+            self.eager_steps += batch.phase is self.phase
             return None
+        self.graph_steps += 1
         n, rows, runner = batch.size, self.rows, self.runner
         slot_ids = [r.slot for r in batch.reqs]
         write, pend = runner.take_pending(self.phase, slot_ids)  # a replay runs no Python
@@ -97,9 +107,8 @@ class GraphRunner:
             rows_buf.zero_()
             if pend is not None:
                 rows_buf[:n].copy_(pend)
-        g.attn.copy_(AttentionMetadata.build_padded(
-            [r.page_table for r in batch.reqs], [r.device_len for r in batch.reqs], rows,
-            runner.kv.page_size, b, key[1]))
+        g.attn.fill([r.page_table for r in batch.reqs], [r.device_len for r in batch.reqs],
+                    runner.kv.page_size)
         out = g.replay()
         if out is not None:  # uncaptured: the eager step returned fresh tensors
             g.hidden, g.logits = out
@@ -109,16 +118,14 @@ class GraphRunner:
         hidden = g.hidden[:t].clone() if keep_hidden else None
         return ForwardOutput(g.logits[:t], [r for r in batch.reqs for _ in range(rows)], hidden)
 
-    def _capture(self, b: int, kv_len: int, write: int = 0) -> _Graph:
-        """Capture (or, capture=False, build eagerly) the step of bucket (b, kv_len); a verify
+    def _capture(self, b: int, write: int = 0) -> _Graph:
+        """Capture (or, capture=False, build eagerly) the step of batch bucket b; a verify
         step writes runner.stashes[write] and takes pending rows from the other one."""
         runner, rows, dev = self.runner, self.rows, self.runner.device
         t = b * rows
         input_ids = torch.zeros(t, dtype=torch.long, device=dev)
         positions = torch.zeros(t, dtype=torch.long, device=dev)
-        attn = AttentionMetadata.build_padded([], [], rows, runner.kv.page_size, b, kv_len)
-        attn = AttentionMetadata(*(x.to(dev) for x in (attn.write_index, attn.gather_index,
-                                                       attn.row_index, attn.mask)))
+        attn = PagedMetadata.allocate(b, rows, self.max_kv_len, runner.kv.page_size, dev)
         meta = GDNMetadata(self.phase, torch.zeros(b, dtype=torch.int32, device=dev),
                            torch.arange(0, t + 1, rows, dtype=torch.int32, device=dev), rows)
         if self.phase is Phase.VERIFY:  # pending rows: a static buffer, zeros when none

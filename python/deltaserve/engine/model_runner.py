@@ -7,7 +7,12 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.core import Batch, ForwardContext, Phase, Req
-from deltaserve.engine.attention import AttentionMetadata, PagedAttentionBackend, PagedKVCache
+from deltaserve.engine.attention import (
+    AttentionMetadata,
+    PagedAttentionBackend,
+    PagedKVCache,
+    PagedMetadata,
+)
 from deltaserve.engine.gdn_backend import GDNMetadata, PoolGDNBackend
 from deltaserve.ops.gdn import GDNStash
 
@@ -77,9 +82,13 @@ class ModelRunner:
             cu.append(cu[-1] + n)
         dev = self.device
         input_ids = torch.tensor(self.input_ids(batch), dtype=torch.long, device=dev)
-        attn_meta = AttentionMetadata.build(
-            [r.page_table for r in batch.reqs], [r.device_len for r in batch.reqs],
-            batch.extend_lens, self.kv.page_size, dev)
+        tables, starts = [r.page_table for r in batch.reqs], [r.device_len for r in batch.reqs]
+        if batch.phase is Phase.PREFILL:
+            attn_meta = AttentionMetadata.build(tables, starts, batch.extend_lens,
+                                                self.kv.page_size, dev)
+        else:  # decode / verify: every request has rows_per_req rows; attended in place
+            attn_meta = PagedMetadata.build(tables, starts, batch.rows_per_req,
+                                            self.kv.page_size, dev)
         slot_ids = [r.slot for r in batch.reqs]
         gdn_meta = GDNMetadata(
             batch.phase, torch.tensor(slot_ids, dtype=torch.int32, device=dev),

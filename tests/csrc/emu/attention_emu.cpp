@@ -1,0 +1,2 @@
+// The paged attention bindings built with the CPU emulation of the device runtime (-DDS_EMU).
+#include "ops/attention.cu"
