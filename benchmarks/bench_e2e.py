@@ -10,6 +10,11 @@ when --anchor is given. Prints a table and writes JSON.
     python benchmarks/bench_e2e.py --config qwen3.6-35b-a3b --out e2e_35b.json  # dummy weights
     python benchmarks/bench_e2e.py --config qwen3-next-80b-a3b --layers 24 --out e2e_next.json
     python benchmarks/bench_e2e.py --long-context --out e2e_long.json   # decode at 128..32k
+    python benchmarks/bench_e2e.py --vocab 248320 --step-only   # the 0.8B config's step figures
+
+Every run also prints kernels per decode step and per layer, and the host gap per step, each
+beside its target (step_kernels.py); --step-only prints only those (no prefill or decode runs).
+The defaults are the 0.8B config's shapes (issue 27) except the vocabulary: pass --vocab 248320.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 
 import e2e_configs
 import torch
+from step_kernels import host_gap, kernels_per_step  # a sibling script
 
 from deltaserve import LLM, SamplingParams
 
@@ -102,6 +108,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile 8 batch-1 decode steps")
     ap.add_argument("--long-context", action="store_true",
                     help="only decode tok/s at long contexts (long_context_decode)")
+    ap.add_argument("--step-only", action="store_true",
+                    help="only the kernels per step and the host gap (fast)")
     ap.add_argument("--out", default="e2e.json")
     args = ap.parse_args()
     if args.config is not None and (args.anchor or args.model is not None):
@@ -130,6 +138,10 @@ def main() -> None:
             res["load_s"] = time.perf_counter() - t_load
             res["params"] = sum(p.numel() for p in llm.engine.model.parameters())
             res.update(e2e_configs.rooflines(llm.engine.model, args.prefill_tokens, 256))
+        res.update(step_figures(llm, args.vocab, res["params"]))
+        if args.step_only:
+            report(res, args)
+            return
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         if args.long_context:
             res.update(long_context_decode(llm, args.vocab, args.decode_tokens))
@@ -151,9 +163,8 @@ def main() -> None:
             llm.engine.flush_cache()
             t_all = timed(llm.generate, prompts, params)
             res[f"decode_b{batch}_tok_s"] = batch * (n - 1) / max(t_all - t_pre, 1e-9)
-        if args.config is not None:
-            res["ttft_256_s"] = min(ttft(llm, prompt(256, args.vocab, 4 + i), one)
-                                    for i in range(3))
+        res["ttft_256_s"] = min(ttft(llm, prompt(256, args.vocab, 4 + i), one)
+                                for i in range(3))
         if args.profile:
             res["profile"] = profile_decode(llm, args.vocab)
             print(res["profile"])
@@ -167,10 +178,34 @@ def main() -> None:
             report(res, args)
 
 
+def step_figures(llm: LLM, vocab: int, n_params: int) -> dict:
+    """Kernels per decode step and host gap at batch 1 (step_kernels.py), with the weight-read
+    roofline of a batch-1 step (bf16 weights once / 4,274 GB/s)."""
+    eng = llm.engine
+    out = kernels_per_step(eng, vocab)
+    out.update(host_gap(eng, vocab))
+    out["roofline_step_s"] = 2 * n_params / 4274e9
+    names = out.pop("kernel_names")
+    print("kernels in one decode step (name: count):", flush=True)
+    for name, n in names.items():
+        print(f"  {n:4d}  {name[:110]}")
+    return out
+
+
 def report(res: dict, args) -> None:
     """Print the figures measured so far and write them to --out."""
     print(f"model: {res['params'] / 1e6:.1f}M params, {args.model or 'random'}, hidden "
           f"{args.hidden or '-'}, {args.layers or '-'} layers", flush=True)
+    layers = res.get("kernels_per_step", 0) / max(res.get("kernels_per_layer", 1), 1e-9)
+    if "kernels_per_step" in res:
+        print(f"{'kernels_per_step':28s} {res['kernels_per_step']} (target <= "
+              f"{14 * round(layers)}: 14 a layer)")
+        print(f"{'kernels_per_layer':28s} {res['kernels_per_layer']:.1f} (target <= 14)")
+        print(f"{'step_wall_s':28s} {res['step_wall_s']:.4g} (weight-read roofline "
+              f"{res['roofline_step_s']:.4g})")
+        print(f"{'step_device_s':28s} {res['step_device_s']:.4g}")
+        print(f"{'host_gap_s':28s} {res['host_gap_s']:.4g} ({100 * res['host_gap_share']:.1f}% "
+              "of the step; target <= 5%)", flush=True)
     for key in ("prefill_tok_s", "decode_b1_tok_s", "decode_b32_tok_s", "ttft_followup_s",
                 "prefill_new_only_s", "ttft_cold_s", "followup_cached_tokens",
                 "anchor_decode_b1_tok_s", "anchor_decode_b32_tok_s", "anchor_prefill_s"):

@@ -294,8 +294,10 @@ class GDNBackend(Protocol):
                 b: torch.Tensor) -> torch.Tensor:
         """mixed_qkv [T, conv_dim], a/b [T, HV] -> core output o [T, HV, V] (before gated norm).
 
-        `layer` exposes `gdn_id` (index among GDN layers), `conv_weight` [conv_dim, W],
-        `A_log` [HV], `dt_bias` [HV], `num_k_heads`, `num_v_heads`, `head_k_dim`, `head_v_dim`.
+        mixed_qkv, a and b may be strided views (rows of the merged input projection, last dim
+        contiguous). `layer` exposes `gdn_id` (index among GDN layers), `conv_weight`
+        [conv_dim, W], `A_log` [HV] and `dt_bias` [HV] (fp32), `num_k_heads`, `num_v_heads`,
+        `head_k_dim`, `head_v_dim`.
         Runs conv1d + SiLU, splits q/k/v, gates, the gated delta rule, and reads/writes the
         per-request GDN state (conv window + recurrent state) in its slot.
         """

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.cuda_graph import GraphRunner, buckets
@@ -53,6 +54,8 @@ def test_padded_fixed_shape_steps_give_the_eager_tokens(ckpt, spec):
     assert runner.graphs, "the fixed-shape path was never taken"
     # a batch of 3 ran in the bucket of 4: one padding request on slot 0 / page 0
     assert any(key[0] == 4 for key in runner.graphs)
+    for g in runner.graphs.values():  # the step's own argmax is what greedy rows commit
+        assert torch.equal(g.greedy, g.logits.argmax(dim=-1))
     if spec:  # verify steps of the same batch took the previous step's rows (replay folded in)
         pool = static.engine.state_pool
         assert pool.n_taken > 0 and not pool.has_pending

@@ -11,6 +11,7 @@ from model_helpers import rewrite_checkpoint
 from safetensors.torch import load_file
 
 from deltaserve.model import SUPPORTED_MODEL_TYPES, load_model
+from deltaserve.model.merged import merged_parts
 
 
 def _drop(key: str):
@@ -89,6 +90,7 @@ def test_mtp_weights_are_loaded_equal_to_the_saved_tensors(tiny_checkpoint, mode
     model = load_model(path, torch.float32, progress=False)
     assert model.mtp is not None and model.mtp.num_layers == 1
     params = model.state_dict()
+    merged = merged_parts(model)
     assert {k for k in params if k.startswith("mtp.")}, "no mtp.* parameters"
     for key, value in saved.items():
         if m := re.match(r"(.*\.experts)\.(\d+)\.(\w+)_proj\.weight$", key):
@@ -98,6 +100,9 @@ def test_mtp_weights_are_loaded_equal_to_the_saved_tensors(tiny_checkpoint, mode
             got = {"gate": stacked[:inter], "up": stacked[inter:], "down": stacked}[part]
         elif key.endswith("conv1d.weight"):
             continue  # no conv in an attention layer
+        elif key in merged:  # one row range of a merged projection
+            target, start, rows = merged[key]
+            got = params[target][start:start + rows]
         else:
             got = params[key]
         assert torch.equal(got, value), key
@@ -128,9 +133,38 @@ def test_an_unknown_model_type_lists_the_supported_ones(editable_checkpoint):
 
 def test_the_model_is_loaded_onto_the_requested_dtype_and_device(tiny_checkpoint):
     model = load_model(tiny_checkpoint("qwen3_next"), torch.float16, "cpu", progress=False)
-    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    dtypes = {(name.endswith(("A_log", "dt_bias")), p.dtype)
+              for name, p in model.named_parameters()}
+    # the GDN gate parameters are prepared once in the kernels' fp32, everything else as asked
+    assert dtypes == {(False, torch.float16), (True, torch.float32)}
     assert model.rotary.inv_freq.dtype == torch.float32  # RoPE tables stay fp32
     assert model.device.type == "cpu" and not model.training
     assert not any(p.requires_grad for p in model.parameters())
     assert model.attention_layer_ids == (3,) and model.num_gdn_layers == 3
     assert [g.gdn_id for g in model.gdn_layers] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
+def test_the_loader_merges_projections_and_logs_the_layout(tiny_checkpoint, model_type, caplog):
+    path = tiny_checkpoint(model_type)
+    with caplog.at_level("INFO", logger="deltaserve.model"):
+        model = load_model(path, torch.float32, progress=False)
+    line = next(r.getMessage() for r in caplog.records if "merged projections" in r.getMessage())
+    for part in ("q_proj", "k_proj", "v_proj", "in_proj_qkv", "in_proj_z", "in_proj_b",
+                 "in_proj_a", "gate_proj", "up_proj"):
+        assert part in line
+    gdn = model.layers[0].linear_attn
+    c = model.config
+    hv = c.linear_num_value_heads
+    assert gdn.in_proj.weight.shape == (c.conv_dim + hv * c.linear_value_head_dim + 2 * hv,
+                                        c.hidden_size)
+    if model_type == "qwen3_5_text":  # the parts' rows are the checkpoint's tensors, in order
+        saved = load_file(path / "model.safetensors")
+        rows = merged_parts(model)["layers.0.linear_attn.in_proj_b.weight"]
+        start, n = rows[1], rows[2]
+        want = saved["model.layers.0.linear_attn.in_proj_b.weight"]
+        assert torch.equal(gdn.in_proj.weight[start:start + n], want)
+    # prepared once: fp32 gate parameters, fp32 1 + w of every zero-centred norm
+    assert gdn.A_log.dtype == torch.float32
+    norm = model.layers[0].input_layernorm
+    assert torch.equal(norm.rms_weight, 1.0 + norm.weight.float())

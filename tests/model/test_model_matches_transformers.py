@@ -86,7 +86,8 @@ def test_bfloat16_model_tracks_the_fp32_model(tiny_checkpoint):
     ids = _ids(20, seed=3)
     fp32 = Sequence(load_model(path, torch.float32, progress=False)).feed(ids)
     model = load_model(path, "bfloat16", progress=False)
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(p.dtype == torch.bfloat16 for name, p in model.named_parameters()
+               if not name.endswith(("A_log", "dt_bias")))  # those two: fp32 (prepare.py)
     bf16 = Sequence(model).feed(ids)
     assert bf16.dtype == torch.float32
     # bf16 rounding noise only (transformers' own bf16 path is as far from its fp32 one)

@@ -7,10 +7,12 @@ tables and lengths from static device buffers, so one graph serves every context
 max_model_len; GDN decode or verify against the state pool), the final norm and the logits of
 every row. Inputs live in static buffers refilled before each replay; padding requests use the
 padding slot 0 and the padding page 0, so they never touch a real request. Outputs (logits,
-hidden, the verify stash and conv inputs that `commit` reads) stay valid until the next
-replay. A verify graph always takes pending rows from a static int32 buffer (zeros when none
-are pending for its batch). MoE models are captured when their experts run without a host
-sync at the largest batch (`model.mlp.moe_graph_safe`).
+their per-row argmax, hidden, the verify stash and conv inputs that `commit` reads) stay valid
+until the next replay. Inputs are staged in pinned host memory and copied without blocking
+(engine/staging.py); the argmax in the graph lets a greedy step copy only its tokens back. A
+verify graph always takes pending rows from a static int32 buffer (zeros when none are pending
+for its batch). MoE models are captured when their experts run without a host sync at the
+largest batch (`model.mlp.moe_graph_safe`).
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deltaserve.core import Batch, ForwardContext, Phase
 from deltaserve.engine.attention import PagedAttentionBackend, PagedMetadata
 from deltaserve.engine.gdn_backend import GDNMetadata, PoolGDNBackend
 from deltaserve.engine.model_runner import ForwardOutput, ModelRunner
+from deltaserve.engine.staging import copy_into, row_positions
 
 
 def buckets(limit: int, start: int) -> list[int]:
@@ -43,6 +47,7 @@ class _Graph:
     gdn: PoolGDNBackend  # holds the static slots [B] and, for verify, the conv inputs
     hidden: torch.Tensor  # [B * R, hidden]
     logits: torch.Tensor  # [B * R, vocab] fp32
+    greedy: torch.Tensor  # [B * R] int64: argmax of each logits row, computed in the graph
 
 
 class GraphRunner:
@@ -94,14 +99,17 @@ class GraphRunner:
             key = (*key, write)
         g = self.graphs.get(key) or self._capture(*key)
         self.graphs[key] = g
-        ids = runner.input_ids(batch)
-        pos = [p for r in batch.reqs for p in range(r.device_len, r.device_len + rows)]
         b = g.gdn.meta.slots.shape[0]
-        pad = b * rows - len(ids)
-        g.input_ids.copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
-        g.positions.copy_(torch.tensor(pos + [0] * pad), non_blocking=True)
-        slots = [r.slot for r in batch.reqs] + [0] * (b - n)
-        g.gdn.meta.slots.copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
+        # padding rows feed token 0 at position 0 into slot 0 / page 0 (never a real request)
+        ids = np.zeros(b * rows, dtype=np.int64)
+        ids[:n * rows] = runner.input_ids(batch)
+        pos = np.zeros(b * rows, dtype=np.int64)
+        pos[:n * rows] = row_positions([r.device_len for r in batch.reqs], rows)
+        slots = np.zeros(b, dtype=np.int32)
+        slots[:n] = slot_ids
+        copy_into(g.input_ids, ids)
+        copy_into(g.positions, pos)
+        copy_into(g.gdn.meta.slots, slots)
         if g.gdn.meta.pending is not None:
             rows_buf = g.gdn.meta.pending[1]
             rows_buf.zero_()
@@ -111,12 +119,13 @@ class GraphRunner:
                     runner.kv.page_size)
         out = g.replay()
         if out is not None:  # uncaptured: the eager step returned fresh tensors
-            g.hidden, g.logits = out
+            g.hidden, g.logits, g.greedy = out
         runner.last_gdn = g.gdn
         runner.last_slot_ids = slot_ids
         t = n * rows
         hidden = g.hidden[:t].clone() if keep_hidden else None
-        return ForwardOutput(g.logits[:t], [r for r in batch.reqs for _ in range(rows)], hidden)
+        return ForwardOutput(g.logits[:t], [r for r in batch.reqs for _ in range(rows)], hidden,
+                             g.greedy[:t])
 
     def _capture(self, b: int, write: int = 0) -> _Graph:
         """Capture (or, capture=False, build eagerly) the step of batch bucket b; a verify
@@ -134,15 +143,16 @@ class GraphRunner:
                                                                      device=dev))
         gdn = PoolGDNBackend(runner.state_pool, meta)
 
-        def step() -> tuple[torch.Tensor, torch.Tensor]:
+        def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             ctx = ForwardContext(positions=positions,
                                  attn=PagedAttentionBackend(runner.kv, attn), gdn=gdn)
             hidden = runner.model.forward(input_ids, ctx)
-            return hidden, runner.model.compute_logits(hidden).float()
+            logits = runner.model.compute_logits(hidden)
+            return hidden, logits, logits.argmax(dim=-1)
 
         if not self.capture:
-            hidden, logits = step()
-            return _Graph(step, input_ids, positions, attn, gdn, hidden, logits)
+            hidden, logits, greedy = step()
+            return _Graph(step, input_ids, positions, attn, gdn, hidden, logits, greedy)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -151,5 +161,6 @@ class GraphRunner:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden, logits = step()
-        return _Graph(lambda: graph.replay(), input_ids, positions, attn, gdn, hidden, logits)
+            hidden, logits, greedy = step()
+        return _Graph(lambda: graph.replay(), input_ids, positions, attn, gdn, hidden, logits,
+                      greedy)

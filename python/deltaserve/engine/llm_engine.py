@@ -283,13 +283,13 @@ class LLMEngine:
             spec.on_forward(batch, out.hidden)
         before = {r.rid: len(r.output_ids) for r in batch.reqs}
         if batch.phase is Phase.VERIFY:
-            sampled = spec.accept(batch, out.logits)
+            sampled = spec.accept(batch, out.logits, out.greedy)
             self.scheduler.process(batch, sampled,
                                    commit_rows=lambda counts: self._commit_verify(batch, counts))
         else:
             rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator)
                     for r in out.owners]
-            tokens = sample_rows(out.logits, rows) if rows else []
+            tokens = sample_rows(out.logits, rows, out.greedy) if rows else []
             sampled = {}
             for req, tok in zip(out.owners, tokens):
                 sampled.setdefault(req.rid, []).append(tok)

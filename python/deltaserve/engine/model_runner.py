@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deltaserve.core import Batch, ForwardContext, Phase, Req
@@ -14,17 +15,20 @@ from deltaserve.engine.attention import (
     PagedMetadata,
 )
 from deltaserve.engine.gdn_backend import GDNMetadata, PoolGDNBackend
+from deltaserve.engine.staging import row_positions, to_device
 from deltaserve.ops.gdn import GDNStash
 
 
 @dataclass
 class ForwardOutput:
     """logits [M, vocab] fp32 for the rows that are sampled; owners[i] is row i's request;
-    hidden [T, hidden] (after the final norm) when a proposer asked for it, else None."""
+    hidden [T, hidden] (after the final norm) when a proposer asked for it, else None;
+    greedy [M] int64 on the device: logits.argmax(-1), when the step computed it (graphs)."""
 
     logits: torch.Tensor
     owners: list[Req]
     hidden: torch.Tensor | None = None
+    greedy: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -76,12 +80,11 @@ class ModelRunner:
         return ids
 
     def _context(self, batch: Batch) -> tuple[torch.Tensor, ForwardContext]:
-        positions, cu = [], [0]
-        for req, n in zip(batch.reqs, batch.extend_lens):
-            positions.extend(range(req.device_len, req.device_len + n))
-            cu.append(cu[-1] + n)
+        starts = [req.device_len for req in batch.reqs]
+        positions = row_positions(starts, batch.extend_lens)
+        cu = np.concatenate([[0], np.cumsum(batch.extend_lens)])
         dev = self.device
-        input_ids = torch.tensor(self.input_ids(batch), dtype=torch.long, device=dev)
+        input_ids = to_device(self.input_ids(batch), torch.long, dev)
         tables, starts = [r.page_table for r in batch.reqs], [r.device_len for r in batch.reqs]
         if batch.phase is Phase.PREFILL:
             attn_meta = AttentionMetadata.build(tables, starts, batch.extend_lens,
@@ -90,9 +93,8 @@ class ModelRunner:
             attn_meta = PagedMetadata.build(tables, starts, batch.rows_per_req,
                                             self.kv.page_size, dev)
         slot_ids = [r.slot for r in batch.reqs]
-        gdn_meta = GDNMetadata(
-            batch.phase, torch.tensor(slot_ids, dtype=torch.int32, device=dev),
-            torch.tensor(cu, dtype=torch.int32, device=dev), batch.rows_per_req)
+        gdn_meta = GDNMetadata(batch.phase, to_device(slot_ids, torch.int32, dev),
+                               to_device(cu, torch.int32, dev), batch.rows_per_req)
         write, rows = self.take_pending(batch.phase, slot_ids)
         if batch.phase is Phase.VERIFY:
             gdn_meta.stash = self.stashes[write]
@@ -100,7 +102,7 @@ class ModelRunner:
                 gdn_meta.pending = (self.stashes[1 - write], rows)
         self.last_gdn = PoolGDNBackend(self.state_pool, gdn_meta)
         self.last_slot_ids = slot_ids
-        ctx = ForwardContext(positions=torch.tensor(positions, dtype=torch.long, device=dev),
+        ctx = ForwardContext(positions=to_device(positions, torch.long, dev),
                              attn=PagedAttentionBackend(self.kv, attn_meta), gdn=self.last_gdn)
         return input_ids, ctx
 
@@ -123,7 +125,7 @@ class ModelRunner:
         kept = hidden if keep_hidden else None
         if not rows:
             return ForwardOutput(hidden.new_empty((0, 0), dtype=torch.float32), [], kept)
-        idx = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+        idx = to_device(rows, torch.long, hidden.device)
         return ForwardOutput(self.model.compute_logits(hidden[idx]).float(), owners, kept)
 
     @torch.inference_mode()
@@ -131,5 +133,5 @@ class ModelRunner:
         """After a verify forward: commit committed[i] rows of request i (conv windows now,
         GDN rows pending until the next verify or the next access to the state pool)."""
         pad = self.last_gdn.meta.slots.shape[0] - len(committed)  # a graph's padding requests
-        accepted = torch.tensor(committed + [0] * pad, dtype=torch.int32, device=self.device)
+        accepted = to_device(committed + [0] * pad, torch.int32, self.device)
         self.last_gdn.commit(accepted, self.last_slot_ids)

@@ -77,21 +77,23 @@ def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs / probs.sum()
 
 
-def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """Sample one token per row. logits [R, V] fp32, len(rows) == R -> R token ids.
+def sample_rows(logits: torch.Tensor, rows: list[SamplingRow],
+                greedy: torch.Tensor | None = None) -> list[int]:
+    """Sample one token per row. logits [R, V] fp32, len(rows) == R -> R token ids; greedy [R]
+    int64 (logits' device), when given, is logits.argmax(-1) computed already (in the graph).
 
     Greedy rows take the argmax of the penalised logits (ties: lowest id, as torch.argmax).
-    Sampled rows draw with the row's generator (seeded per request) on the CPU, so a seeded
-    request gives the same tokens on any device.
+    Plain-greedy rows (no penalties) are decided by one argmax over every row and one
+    device->host copy, no host->device copy. Sampled rows draw with the row's generator (seeded
+    per request) on the CPU, so a seeded request gives the same tokens on any device.
     """
     assert logits.shape[0] == len(rows)
     plain_greedy = [i for i, r in enumerate(rows) if is_plain_greedy(r.params)]
     out: list[int] = [0] * len(rows)
     if plain_greedy:
-        idx = torch.tensor(plain_greedy, device=logits.device)
-        best = torch.argmax(logits[idx], dim=-1).tolist()
-        for i, t in zip(plain_greedy, best):
-            out[i] = t
+        best = (torch.argmax(logits, dim=-1) if greedy is None else greedy).tolist()
+        for i in plain_greedy:
+            out[i] = best[i]
     done = set(plain_greedy)
     for i, row in enumerate(rows):
         if i in done:

@@ -25,8 +25,10 @@ class SpecRuntime(Protocol):
     def propose(self, batch: Batch) -> None:
         """Fill `batch.draft_ids` (k per request, padded) and `batch.num_drafts`."""
 
-    def accept(self, batch: Batch, logits: torch.Tensor) -> dict[int, list[int]]:
-        """Tokens to commit per request id from the verify logits [N * (k+1), V] (fp32)."""
+    def accept(self, batch: Batch, logits: torch.Tensor,
+               greedy: torch.Tensor | None = None) -> dict[int, list[int]]:
+        """Tokens to commit per request id from the verify logits [N * (k+1), V] (fp32);
+        greedy [N * (k+1)] int64 (device), when given, is logits.argmax(-1) already computed."""
 
     def on_forward(self, batch: Batch, hidden: torch.Tensor | None) -> None:
         """After the target's forward of any batch (prefill, decode or verify)."""

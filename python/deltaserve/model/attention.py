@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from deltaserve.model.merged import MergedLinear
 from deltaserve.model.norm import RMSNorm
-from deltaserve.model.rope import apply_rope
+from deltaserve.ops import fused
 
 if TYPE_CHECKING:
     from deltaserve.core import ForwardContext
@@ -20,8 +21,9 @@ class GatedAttention(nn.Module):
     head dim, then partial RoPE; the backend attends (softmax scale `scaling` = D^-1/2);
     the output is multiplied by sigmoid(gate) before o_proj.
 
-    `layer_id` is what the layer passes to `ctx.attn.forward` (the decoder-layer index; MTP
-    layers use num_hidden_layers + step).
+    q_proj | k_proj | v_proj are one `MergedLinear` (`qkv_proj`, rows [Hq·2D | Hkv·D | Hkv·D]),
+    one GEMM. `layer_id` is what the layer passes to `ctx.attn.forward` (the decoder-layer
+    index; MTP layers use num_hidden_layers + step).
     """
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
@@ -32,9 +34,9 @@ class GatedAttention(nn.Module):
         self.head_dim = d = config.head_dim
         self.scaling = d ** -0.5
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * d * 2, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.qkv_proj = MergedLinear(hidden, [("q_proj", self.num_heads * d * 2),
+                                              ("k_proj", self.num_kv_heads * d),
+                                              ("v_proj", self.num_kv_heads * d)], bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -43,11 +45,11 @@ class GatedAttention(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; cos/sin [T, rotary_dim] from `RotaryEmbedding`."""
         t, d = x.shape[0], self.head_dim
-        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d))
-        v = self.v_proj(x).view(t, self.num_kv_heads, d)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q_gate, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q_gate = q_gate.view(t, self.num_heads, 2 * d)
+        k = k.view(t, self.num_kv_heads, d)
+        v = v.view(t, self.num_kv_heads, d)
+        q, k = fused.qk_norm_rope(q_gate, k, self.q_norm.rms_weight, self.k_norm.rms_weight,
+                                  cos, sin, self.q_norm.eps)
         o = ctx.attn.forward(self.layer_id, q, k, v)
-        o = o.reshape(t, self.num_heads * d) * torch.sigmoid(gate.reshape(t, self.num_heads * d))
-        return self.o_proj(o)
+        return self.o_proj(fused.sigmoid_gate_mul(o, q_gate))

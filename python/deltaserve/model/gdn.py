@@ -2,8 +2,9 @@
 
 The conv1d, gates and the gated delta rule itself run in the engine's GDN backend
 (`ctx.gdn.forward`), which owns the per-request states. Input projections use the Qwen3.5
-layout (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`); the loader reorders Qwen3-Next's
-fused `in_proj_qkvz` / `in_proj_ba` into it once (`split_qwen3_next_projections`).
+layout (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`), merged into one weight; the loader
+reorders Qwen3-Next's fused `in_proj_qkvz` / `in_proj_ba` into it once
+(`split_qwen3_next_projections`), then copies each part into its rows.
 Source: transformers' `Qwen3_5GatedDeltaNet` / `Qwen3NextGatedDeltaNet` (modeling_*.py).
 """
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from deltaserve.model.merged import MergedLinear
 from deltaserve.model.norm import GatedRMSNorm
 
 if TYPE_CHECKING:
@@ -25,9 +27,14 @@ class GatedDeltaNet(nn.Module):
     """One GDN token mixer. What the GDN backend reads:
 
     gdn_id (index among GDN layers), conv_weight [conv_dim, W] (depthwise, squeezed conv1d
-    weight), conv_bias (always None for these models), A_log [HV], dt_bias [HV], num_k_heads (H),
-    num_v_heads (HV), head_k_dim (K), head_v_dim (V). All parameters are in the model dtype.
-    Channel order of mixed_qkv / conv_weight: q (H·K) | k (H·K) | v (HV·V), head-major.
+    weight, model dtype), conv_bias (always None for these models), A_log [HV] and dt_bias [HV]
+    (fp32 once `prepare()` ran: the kernels read them in fp32, so they are cast once at load,
+    holding the model-dtype values of the checkpoint), num_k_heads (H), num_v_heads (HV),
+    head_k_dim (K), head_v_dim (V). Channel order of mixed_qkv / conv_weight: q (H·K) | k (H·K)
+    | v (HV·V), head-major.
+
+    in_proj_qkv | in_proj_z | in_proj_b | in_proj_a are one `MergedLinear` (`in_proj`, rows
+    [conv_dim | HV·V | HV | HV]), one GEMM; the backend gets views of its output.
     """
 
     conv_bias: torch.Tensor | None = None
@@ -41,26 +48,26 @@ class GatedDeltaNet(nn.Module):
         self.head_v_dim = v = config.linear_value_head_dim
         self.conv_dim = 2 * h * k + hv * v
         hidden = config.hidden_size
-        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, hv * v, bias=False)
-        self.in_proj_b = nn.Linear(hidden, hv, bias=False)
-        self.in_proj_a = nn.Linear(hidden, hv, bias=False)
+        self.in_proj = MergedLinear(hidden, [("in_proj_qkv", self.conv_dim),
+                                             ("in_proj_z", hv * v), ("in_proj_b", hv),
+                                             ("in_proj_a", hv)])
         self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, config.linear_conv_kernel_dim))
         self.A_log = nn.Parameter(torch.zeros(hv))
         self.dt_bias = nn.Parameter(torch.ones(hv))
         self.norm = GatedRMSNorm(v, config.rms_norm_eps)
         self.out_proj = nn.Linear(hv * v, hidden, bias=False)
 
+    def prepare(self) -> None:
+        """A_log, dt_bias -> fp32 parameters (the unfused path cast them on every call)."""
+        self.A_log = nn.Parameter(self.A_log.detach().float(), requires_grad=False)
+        self.dt_bias = nn.Parameter(self.dt_bias.detach().float(), requires_grad=False)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         t = x.shape[0]
-        mixed_qkv = self.in_proj_qkv(x)
-        z = self.in_proj_z(x)
-        b = self.in_proj_b(x)
-        a = self.in_proj_a(x)
+        mixed_qkv, z, b, a = self.in_proj.split(self.in_proj(x))
         o = ctx.gdn.forward(self, mixed_qkv, a, b)  # [T, HV, V]
-        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(o.reshape(t, -1))
+        return self.out_proj(self.norm(o, z.view(t, self.num_v_heads, self.head_v_dim)))
 
 
 def split_qwen3_next_projections(

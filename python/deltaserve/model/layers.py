@@ -27,7 +27,8 @@ __all__ = ["DecoderLayer", "GatedAttention", "GatedDeltaNet", "GatedRMSNorm", "M
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x += mixer(norm(x)); x += mlp(norm(x)).
+    """Pre-norm residual block: x += mixer(norm(x)); x += mlp(norm(x)), with the residual
+    carried between layers so each residual add is fused into the next norm (vLLM's form).
 
     The mixer is `linear_attn` (GatedDeltaNet) or `self_attn` (GatedAttention); the MLP is dense
     or sparse MoE per `config.is_moe_layer(mlp_index)`. transformers' `Qwen3NextDecoderLayer`.
@@ -49,13 +50,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden] (new tensor; x is not modified)."""
-        h = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden]: the previous layer's MLP output (or, with residual None, the layer's
+        input itself); residual [T, hidden]: the stream before x is added. Returns (mlp output,
+        residual stream before it is added) [T, hidden]: the block's output is their sum, which
+        the next layer's norm (or the final norm, `RMSNorm.add`) forms. Inputs are not modified.
+        """
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
         if self.is_gdn:
             h = self.linear_attn(h, ctx)
         else:
             h = self.self_attn(h, cos, sin, ctx)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual

@@ -6,15 +6,20 @@ Checkpoint keys are mapped onto `Model` parameter names (see `Model`'s docstring
 - `linear_attn.conv1d.weight` [D, 1, W] -> `linear_attn.conv_weight` [D, W];
 - Qwen3-Next `linear_attn.in_proj_qkvz` / `in_proj_ba` -> the Qwen3.5 layout, reordered once
   (`split_qwen3_next_projections`);
+- the projections a layer merges (model/merged.py: attention `q_proj|k_proj|v_proj`, GDN
+  `in_proj_qkv|z|b|a`, MLP `gate_proj|up_proj`) -> their row range of the merged weight; the
+  merged layout is logged once per load;
 - per-expert `mlp.experts.N.{gate,up,down}_proj.weight` -> stacked `mlp.experts.gate_up_proj`
   [E, 2I, hidden] / `mlp.experts.down_proj` [E, hidden, I]; stacked checkpoints load directly.
-Every parameter is cast to `dtype` (as transformers does). A missing tensor, a tensor of the
-wrong shape and (with strict=True) an unexpected tensor raise ValueError naming it.
+Every parameter is cast to `dtype` (as transformers does), then the weights the fused ops read
+prepared once (model/prepare.py). A missing tensor, a tensor of the wrong shape and (with
+strict=True) an unexpected tensor raise ValueError naming it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import warnings
 from pathlib import Path
@@ -26,6 +31,8 @@ from tqdm.auto import tqdm
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.dummy import fill_dummy
 from deltaserve.model.gdn import split_qwen3_next_projections
+from deltaserve.model.merged import merged_parts
+from deltaserve.model.prepare import merged_layout, prepare_weights
 from deltaserve.model.qwen3_5 import Model
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
@@ -34,6 +41,7 @@ VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_to
 IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_GDN = re.compile(r"^(.*\.linear_attn)\.in_proj_(qkvz|ba)\.weight$")
+logger = logging.getLogger("deltaserve.model")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -69,6 +77,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.bfloat16,
         fill_dummy(model, seed)
     else:
         _Filler(model, config, key_files, path, strict, progress).run()
+    prepare_weights(model)
+    logger.info("%s: merged projections (one GEMM each): %s", path.name,
+                "; ".join(merged_layout(model)))
     return model.requires_grad_(False).eval()
 
 
@@ -101,8 +112,9 @@ def _index(path: Path) -> dict[str, Path]:
 class _Filler:
     """Copies checkpoint tensors into the model's parameters and tracks what got filled.
 
-    A parameter is complete when it was filled whole or, for stacked experts, piece by piece
-    (gate and up rows of every expert for gate_up_proj, every expert for down_proj).
+    A parameter is complete when it was filled whole or piece by piece: for stacked experts the
+    gate and up rows of every expert (gate_up_proj) or every expert (down_proj); for a merged
+    projection the row range of every part.
     """
 
     def __init__(self, model: Model, config: ModelConfig, key_files: dict[str, Path],
@@ -113,6 +125,12 @@ class _Filler:
         self.whole: set[str] = set()
         self.pieces: dict[str, set[tuple[int, str]]] = {}
         self.unexpected: list[str] = []
+        # checkpoint name of a merged part -> (merged parameter, first row, rows)
+        self.merged = merged_parts(model)
+        self.merged_parts: dict[str, list[str]] = {}  # merged parameter -> its parts' names
+        for part, (target, _, _) in self.merged.items():
+            self.merged_parts.setdefault(target, []).append(part)
+        self.parts_filled: dict[str, set[str]] = {}
         self.pending_gdn: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
         self.text_prefix = next((p for p in TEXT_PREFIXES
                                  if any(k.startswith(p) for k in key_files)), "model.")
@@ -159,16 +177,30 @@ class _Filler:
                 d, w = self.params[target].shape
                 self._copy(key, handle.get_tensor(key), target, (d, 1, w), lambda t: t[:, 0])
                 return
+        if name in self.merged:
+            self._copy_part(key, handle.get_tensor(key), name)
+            return
         if name not in self.params:
             self.unexpected.append(key)
             return
         self._copy(key, handle.get_tensor(key), name, tuple(self.params[name].shape))
 
-    def _copy(self, key: str, tensor: torch.Tensor, target: str, expected: tuple[int, ...],
-              transform=None, piece: tuple[int, str] | None = None) -> None:
+    def _check_shape(self, key: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
         if tuple(tensor.shape) != expected:
             raise ValueError(f"{self.path}: tensor {key} has shape {list(tensor.shape)}, "
                              f"expected {list(expected)}")
+
+    def _copy_part(self, key: str, tensor: torch.Tensor, name: str) -> None:
+        """Checkpoint tensor `key` (model name `name`) into its rows of a merged projection."""
+        target, start, rows = self.merged[name]
+        param = self.params[target]
+        self._check_shape(key, tensor, (rows, *param.shape[1:]))
+        param[start:start + rows].copy_(tensor)
+        self.parts_filled.setdefault(target, set()).add(name)
+
+    def _copy(self, key: str, tensor: torch.Tensor, target: str, expected: tuple[int, ...],
+              transform=None, piece: tuple[int, str] | None = None) -> None:
+        self._check_shape(key, tensor, expected)
         if transform is not None:
             tensor = transform(tensor)
         param = self.params[target]
@@ -199,24 +231,26 @@ class _Filler:
         c = self.config
         h, hv = c.linear_num_key_heads, c.linear_num_value_heads
         k, v = c.linear_key_head_dim, c.linear_value_head_dim
-        if f"{prefix}.in_proj_qkv.weight" not in self.params:
+        if f"{prefix}.in_proj_qkv.weight" not in self.merged:
             self.unexpected.extend(key for key, _ in pair.values())
             return
         expected = {"qkvz": (2 * h * k + 2 * hv * v, c.hidden_size), "ba": (2 * hv, c.hidden_size)}
         for part, (key, tensor) in pair.items():
-            if tuple(tensor.shape) != expected[part]:
-                raise ValueError(f"{self.path}: tensor {key} has shape {list(tensor.shape)}, "
-                                 f"expected {list(expected[part])}")
+            self._check_shape(key, tensor, expected[part])
         split = split_qwen3_next_projections(pair["qkvz"][1], pair["ba"][1], h, hv, k, v)
         for name, tensor in split.items():
-            target = f"{prefix}.{name}.weight"
-            self._copy(pair["qkvz" if name in ("in_proj_qkv", "in_proj_z") else "ba"][0],
-                       tensor, target, tuple(self.params[target].shape))
+            key = pair["qkvz" if name in ("in_proj_qkv", "in_proj_z") else "ba"][0]
+            self._copy_part(key, tensor, f"{prefix}.{name}.weight")
 
     def _check_complete(self) -> None:
         missing: list[str] = []
         for name, param in self.params.items():
             if name in self.whole:
+                continue
+            if name in self.merged_parts:
+                got = self.parts_filled.get(name, set())
+                missing += [self._checkpoint_name(p) for p in self.merged_parts[name]
+                            if p not in got]
                 continue
             got = self.pieces.get(name, set())
             if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):

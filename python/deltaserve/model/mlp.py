@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.model.merged import MergedLinear
+from deltaserve.ops import fused
 from deltaserve.ops.moe import experts_graph_safe, moe_experts, route
 
 if TYPE_CHECKING:
@@ -20,16 +21,20 @@ if TYPE_CHECKING:
 
 
 class MLP(nn.Module):
-    """y = down(silu(gate(x)) · up(x)); x [T, hidden] -> [T, hidden]."""
+    """y = down(silu(gate(x)) · up(x)); x [T, hidden] -> [T, hidden].
+
+    gate_proj | up_proj are one `MergedLinear` (`gate_up_proj`, rows [I | I]): one GEMM, then
+    `fused.silu_mul` on its output.
+    """
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_up_proj = MergedLinear(hidden, [("gate_proj", intermediate),
+                                                  ("up_proj", intermediate)])
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
 
 
 class Experts(nn.Module):

@@ -59,5 +59,5 @@ class MTPHead(nn.Module):
         e = self.pre_fc_norm_embedding(embed_tokens(input_ids))
         x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))
         cos, sin = rotary(ctx.positions, x.dtype)
-        x = self.layers[step % self.num_layers](x, cos, sin, ctx)
-        return self.norm(x)
+        x, residual = self.layers[step % self.num_layers](x, None, cos, sin, ctx)
+        return self.norm.add(x, residual)[0]

@@ -86,9 +86,10 @@ class Model(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(ctx.positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        hidden = self.norm(x)
+            x, residual = layer(x, residual, cos, sin, ctx)
+        hidden = self.norm(x) if residual is None else self.norm.add(x, residual)[0]
         if ctx.hidden_sink is not None:
             ctx.hidden_sink(hidden)
         return hidden

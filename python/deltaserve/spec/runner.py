@@ -58,13 +58,17 @@ class SpecRunner:
             pad = d[-1] if d else req.tokens(req.num_tokens - 1, req.num_tokens)[0]
             batch.draft_ids.append(d + [pad] * (k - len(d)))
 
-    def accept(self, batch: Batch, logits: torch.Tensor) -> dict[int, list[int]]:
+    def accept(self, batch: Batch, logits: torch.Tensor,
+               greedy: torch.Tensor | None = None) -> dict[int, list[int]]:
         """Tokens each request commits, from the verify logits [B * (k+1), V]. Plain-greedy
-        requests are decided by one argmax over every row (one device sync per step); the
-        others row by row (their rows depend on the drafts before them)."""
+        requests are decided by one argmax over every row (`greedy` when the step computed it;
+        one device->host copy per step); the others row by row (their rows depend on the
+        drafts before them)."""
         rows = self.num_steps + 1
         plain = [is_plain_greedy(req.params) for req in batch.reqs]
-        best = logits.argmax(dim=-1).tolist() if any(plain) else []
+        if greedy is None and any(plain):
+            greedy = logits.argmax(dim=-1)
+        best = greedy.tolist() if any(plain) else []
         out = {}
         for i, req in enumerate(batch.reqs):
             drafts = batch.draft_ids[i][:batch.num_drafts[i]]
