@@ -14,11 +14,11 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LAYOUTS = ("dense", "strided", "misaligned")
 
 
-def close(actual: torch.Tensor, expect: torch.Tensor) -> None:
-    """actual equals expect within TOL of its dtype (relative and absolute)."""
+def close(actual: torch.Tensor, expect: torch.Tensor, scale: float = 1.0) -> None:
+    """actual equals expect within scale x TOL of its dtype (relative and absolute)."""
     assert actual.dtype == expect.dtype and actual.shape == expect.shape
     assert actual.is_contiguous()
-    tol = TOL[expect.dtype]
+    tol = TOL[expect.dtype] * scale
     torch.testing.assert_close(actual, expect, atol=tol, rtol=tol)
 
 

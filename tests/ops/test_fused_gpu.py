@@ -69,7 +69,12 @@ def test_add_rms_norm_sum_is_bitwise_and_norm_matches(t, d, layout, dtype, gen):
 def test_gated_rms_norm_over_the_projection_view_matches(t, hv, v, dtype, gen):
     x, z = inp.gdn_projection(t, hv, v, dtype, gen, DEV)
     w = inp.norm_weight(v, gen, dtype, DEV)
-    inp.close(fused.gated_rms_norm(x, z, w, EPS), fused.gated_rms_norm_ref(x, z, w, EPS))
+    # both round at three points (x̂, w * x̂, the output): a one-ulp move of x̂ from the fp32
+    # sum order is carried, and re-rounded, through the next two, so over 16 M outputs
+    # (T=8192) one in millions lands 3-3.5 ulps off (bf16 and fp16 on the H200, 2026-12-03):
+    # 4 ulps here, 2 for the ops with fewer rounding points
+    inp.close(fused.gated_rms_norm(x, z, w, EPS), fused.gated_rms_norm_ref(x, z, w, EPS),
+              scale=2.0)
 
 
 @pytest.mark.parametrize("t", TOKENS)
