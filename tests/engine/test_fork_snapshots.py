@@ -14,6 +14,7 @@ import pytest
 
 from deltaserve import LLM, SamplingParams
 from drained import assert_drained
+from oracle import assert_same_runs, reference_greedy
 from slow_decay import slow_decay_checkpoint
 from token_ids import random_tokens as tokens
 
@@ -152,3 +153,22 @@ def test_an_aborted_request_gives_its_fork_claim_to_the_next_one(ckpt):
     assert hits == [0, 1472]  # request 3 took the fork request 2 gave up
     assert outs == cold(ckpt, batch[2:])
     assert_drained(eng)
+
+
+@pytest.mark.gpu
+def test_gpu_requests_sharing_1500_tokens_resume_at_the_fork_with_the_cold_tokens(ckpt):
+    # CUDA: extension ops and fla-core's chunked prefill (TF32 dots), so a divergence from the
+    # cold run is accepted only at a near tie of the reference (test_gpu_engine.GPU_EPS)
+    batch = prompts(1500, 6, seed=15)
+    llm = LLM(ckpt, device="cuda", dtype="float32", page_size=PAGE, chunk_size=CHUNK,
+              num_pages=1024)
+    hits, outs = one_after_another(llm, batch)
+    assert hits == [0, 0] + [1472] * 4
+    cold_llm = LLM(ckpt, device="cuda", dtype="float32", page_size=PAGE, chunk_size=CHUNK,
+                   num_pages=1024, enable_prefix_cache=False)
+    for i, (prompt, out) in enumerate(zip(batch, outs)):
+        (c,) = cold_llm.generate([prompt], GREEDY)
+        ref = reference_greedy(ckpt, prompt, GREEDY.max_tokens)
+        assert_same_runs(out, c.token_ids, ref, f"gpu fork request {i + 1}", eps=0.05)
+    assert llm.engine.cache_status()["fork_snapshots_taken"] == 1
+    assert_drained(llm.engine)
