@@ -155,6 +155,27 @@ def test_an_aborted_request_gives_its_fork_claim_to_the_next_one(ckpt):
     assert_drained(eng)
 
 
+def test_a_fork_snapshot_goes_straight_to_the_host_bank_when_no_device_slot_can_be_had(ckpt):
+    # 1 running request, no snapshot slots: 2 device slots (live + the track at 2176), and
+    # request 2's admission moves request 1's 2176 to the bank (its 2048 went there at once),
+    # so at 1472 nothing on the device is free or evictable
+    batch = prompts(1500, 3, seed=17)
+    llm = make(ckpt, max_running_reqs=1, num_snapshot_slots=0, host_snapshot_slots=8)
+    eng = llm.engine
+    hits, outs = [], []
+    for prompt in batch:
+        (o,) = llm.generate([prompt], GREEDY)
+        hits.append(o.cached_tokens)
+        outs.append(o.token_ids)
+        if len(hits) == 2:
+            (fork,) = [n for n in eng.prefix_cache.tree.nodes() if n.depth == 1472]
+            assert fork.host_slot is not None and fork.snapshot_slot is None
+    assert hits == [0, 0, 1472]  # request 3 restored from the bank
+    assert outs == cold(ckpt, batch)
+    assert eng.cache_status()["fork_snapshots_taken"] == 1
+    assert_drained(eng)
+
+
 @pytest.mark.gpu
 def test_gpu_requests_sharing_1500_tokens_resume_at_the_fork_with_the_cold_tokens(ckpt):
     # CUDA: extension ops and fla-core's chunked prefill (TF32 dots), so a divergence from the
