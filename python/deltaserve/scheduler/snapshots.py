@@ -233,10 +233,10 @@ class PrefillSnapshots:
             self._keep(req, req.device_len, slot, host)
 
     def release(self, req: Req) -> set[int]:
-        """Forget `req`: returns every device slot it holds besides its live slot (track
-        slots, taken or not, and chunk snapshots). `req.snapshots` still names the taken ones
-        and `req.host_snapshots` the bank's; the caller gives them to the cache or frees
-        them."""
+        """Forget `req` (its fork plan and claim too): returns every device slot it holds
+        besides its live slot (track slots, taken or not, and chunk snapshots).
+        `req.snapshots` still names the taken ones and `req.host_snapshots` the bank's; the
+        caller gives them to the cache or frees them."""
         held = set(self.tracks.pop(req.rid, {}).values())
         self.chunk.pop(req.rid, None)
         fork = self.forks.pop(req.rid, None)
