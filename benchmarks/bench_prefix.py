@@ -12,7 +12,13 @@ of TTFT against the cut point (after the pushing) for cold / device-only / bank.
 Qwen3.5-style model as bench_e2e.py (bf16 on CUDA). Prints a table, writes JSON (--out) and a
 PNG (--plot) when matplotlib is importable.
 
+With --shared-prompt it runs only (e): --shared-requests requests, one after another, sharing
+a --shared-tokens system prompt and each with --unique-tokens of its own, at the default chunk
+size: mean TTFT and cached tokens with fork snapshots, without them (fork_snapshots=False),
+and cold (cache off).
+
     python benchmarks/bench_prefix.py --out prefix.json --plot prefix.png
+    python benchmarks/bench_prefix.py --shared-prompt --out shared.json
     python benchmarks/bench_prefix.py --smoke --out /tmp/prefix.json   # tiny, CPU, seconds
 """
 
@@ -145,6 +151,35 @@ def sweep(engines: dict[str, LLM], cold: LLM, args) -> list[dict]:
     return rows
 
 
+def shared_prompt(engines: dict[str, LLM], args) -> dict:
+    """(e): the same requests on each engine, one after another (after a flush); per engine
+    the TTFT and cached tokens of each, their means, and the means from request 3 on (1
+    caches the shared prompt's KV, 2 takes the fork snapshot)."""
+    system = tokens(args.shared_tokens, args.vocab, 11)
+    batch = [system + tokens(args.unique_tokens, args.vocab, 20000 + i)
+             for i in range(args.shared_requests)]
+    res = {}
+    for mode, llm in engines.items():
+        llm.engine.flush_cache()
+        runs = [run(llm, p) for p in batch]
+        ttft, cached = [r["ttft_s"] for r in runs], [r["cached_tokens"] for r in runs]
+        res[mode] = {"ttft_s": ttft, "cached_tokens": cached,
+                     "mean_ttft_s": sum(ttft) / len(ttft),
+                     "mean_ttft_from_3rd_s": sum(ttft[2:]) / max(1, len(ttft) - 2),
+                     "mean_cached_tokens": sum(cached) / len(cached),
+                     "fork_snapshots_taken": llm.engine.cache_status()["fork_snapshots_taken"]}
+        progress(f"shared prompt: {mode} done", res, args)
+    return res
+
+
+def report_shared(res: dict) -> None:
+    print(f"{'engine':10s} {'mean ttft ms':>13s} {'from 3rd ms':>12s} {'mean cached':>12s} "
+          f"{'forks':>6s}")
+    for mode, r in res.items():
+        print(f"{mode:10s} {1000 * r['mean_ttft_s']:13.2f} {1000 * r['mean_ttft_from_3rd_s']:12.2f}"
+              f" {r['mean_cached_tokens']:12.1f} {r['fork_snapshots_taken']:6d}")
+
+
 def plot(rows: list[dict], path: str) -> None:
     try:
         import matplotlib
@@ -201,6 +236,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model and sizes on the CPU (checks the script, not speed)")
+    ap.add_argument("--shared-prompt", action="store_true",
+                    help="run only (e), the shared-system-prompt case")
+    ap.add_argument("--shared-requests", type=int, default=32)
+    ap.add_argument("--shared-tokens", type=int, default=4000)
+    ap.add_argument("--unique-tokens", type=int, default=500)
     ap.add_argument("--out", default="prefix.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
     args = ap.parse_args()
@@ -211,6 +251,9 @@ def parse_args() -> argparse.Namespace:
         args.turns, args.replay_turns, args.other_tokens = 5, 2, 192
         args.host_snapshot_slots, args.device_snapshot_slots = 32, 6
         args.chunk_size, args.kv_memory_gb, args.cuts = 64, 0.05, [0.25, 0.5, 0.75]
+        if args.shared_prompt:  # chunk ends must miss the shared part, as at the defaults
+            args.chunk_size, args.shared_requests = 2048, 4
+            args.shared_tokens, args.unique_tokens = 1000, 200
     args.plot = args.plot or os.path.splitext(args.out)[0] + ".png"
     return args
 
@@ -234,6 +277,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as path:
         res["params"] = build(path, args)
         cold = make_engine(path, args, enable_prefix_cache=False)
+        if args.shared_prompt:
+            engines = {"fork": make_engine(path, args), "no-fork": make_engine(
+                path, args, fork_snapshots=False), "cold": cold}
+            warm = tokens(args.shared_tokens + args.unique_tokens, args.vocab, 99)
+            for llm in engines.values():  # first passes compile fla-core's Triton kernels
+                run(llm, warm)
+                run(llm, warm[:args.unique_tokens])
+            progress("warm-up done", res, args)
+            res["e_shared_prompt"] = shared_prompt(engines, args)
+            report_shared(res["e_shared_prompt"])
+            save(res, args)
+            return
         engines = {"device": make_engine(path, args),
                    "bank": make_engine(path, args, host_snapshot_slots=args.host_snapshot_slots)}
         warm = tokens(args.prompt_tokens, args.vocab, 99)

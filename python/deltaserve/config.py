@@ -38,6 +38,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     snapshot_grid: int = 64
     max_prompt_snapshots: int = 64  # GDN snapshots per prompt at prefill chunk ends; 0 = off
+    fork_snapshots: bool = True  # a snapshot where a prompt leaves a cached path (snapshots.py)
     decode_rows_per_req: int = 1  # k + 1 with speculative decoding
     speculative_algorithm: str | None = None  # mtp | ngram
     speculative_num_steps: int = 0  # drafts per verify step; 0: DEFAULT_SPECULATIVE_STEPS

@@ -99,6 +99,23 @@ class RefCache:
                 unused.append(snaps[depth])
         return freed, unused
 
+    def path_len(self, ids: list[int]) -> int:
+        """Tokens of ids[:len(ids) - 1] whose page prefixes are all cached (page multiple)."""
+        prefixes = self._page_prefixes(ids, len(ids) - 1)
+        return next((len(p) - self.page_size for p in prefixes if p not in self.page),
+                    len(prefixes) * self.page_size)
+
+    def attach(self, ids: list[int], depth: int, slot: int, host: bool, now: float) -> bool:
+        """A fork snapshot of ids[:depth]: taken when every page prefix up to depth is cached
+        and that prefix holds no snapshot (either tier); those page prefixes are touched."""
+        prefixes, p = self._page_prefixes(ids, depth), tuple(ids[:depth])
+        if not all(q in self.page for q in prefixes) or p in self.snap or p in self.host:
+            return False
+        for q in prefixes:
+            self.time[q] = now
+        (self.host if host else self.snap)[p] = slot
+        return True
+
     def locked(self, p: Prefix) -> bool:
         """A prefix is locked when a locked match prefix runs through (or ends at) it."""
         return any(n > 0 and len(q) >= len(p) and q[:len(p)] == p for q, n in self.locks.items())

@@ -2,10 +2,12 @@
 
 Operations: admit = match + lock + restore + take pages and slots (evicting if short) and
 write each snapshot slot with the state of its prefix; finish = insert + unlock; abort;
-evict; flush; drain. Each applies to both models, compares every answer under a named tag and
-runs the integrity battery after every operation: the cache's own checks, the contents per
-prefix and tier, an ownership ledger of every page, device slot and host slot, and the
-contents of every snapshot (both tiers), directly and through `restore`.
+fork = a slot (device or host) written with the state of a cached prefix and attached to the
+tree before any insert, as a request's fork snapshot is; evict; flush; drain. Each applies
+to both models, compares every answer under a named tag and runs the integrity battery after
+every operation: the cache's own checks, the contents per prefix and tier, an ownership
+ledger of every page, device slot and host slot, and the contents of every snapshot (both
+tiers), directly and through `restore`.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ class Session:
                f"got {(m.snapshot_slot, m.host_slot)}, want {(slot, host)}")
         expect(m.node.depth == depth and (m.node.snapshot_slot, m.node.host_slot) == (slot, host),
                "match-node", m.node)
+        expect(m.path_len == self.ref.path_len(ids), "match-path",
+               f"{ids}: cached path {m.path_len}, want {self.ref.path_len(ids)}")
         self.cache.restore(m, self.scratch)
         expect(holds_state(self._dev(), self.scratch, tuple(ids[:depth])), "restore",
                f"restore of {depth} tokens (slot {slot}, host slot {host}) gave another state")
@@ -147,6 +151,32 @@ class Session:
             self.state_pool.free(slot)
         self._unlock(req.ids, req.match)
         self.battery()
+
+    @_op
+    def fork(self, ids: list[int], depth: int, host: bool = False) -> bool | None:
+        """Attach a snapshot of ids[:depth] (depth on the grid, <= len(ids)) on the cached
+        path; the slot comes back to the session's pool when the tree does not take it.
+        None: no slot to be had on that tier (after evicting one device slot)."""
+        assert 0 < depth <= len(ids) and depth % self.step == 0, depth
+        if host:
+            if self.bank is None or not self.bank.can_allocate(1):
+                return None
+            slot, pool, tensors = self.bank.allocate(), self.bank, self._host()
+        else:
+            if not self.state_pool.can_allocate(1):
+                self.evict(n_slots=1)
+            if not self.state_pool.can_allocate(1):
+                return None
+            slot, pool, tensors = self.state_pool.allocate(), self.state_pool, self._dev()
+        write_state(tensors, slot, tuple(ids[:depth]))  # what the live slot held there
+        self.now += 1
+        got = self.cache.attach(ids, depth, slot, host=host)
+        want = self.ref.attach(ids, depth, slot, host, self.now)
+        expect(got == want, "attach", f"attach of {depth} of {ids}: got {got}, want {want}")
+        if not got:
+            pool.free(slot)
+        self.battery()
+        return got
 
     @_op
     def abort(self, rid: int) -> None:

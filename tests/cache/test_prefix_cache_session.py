@@ -62,6 +62,17 @@ class CacheMachine(RuleBasedStateMachine):
     def admit_usual_snapshots(self, ids, kind):  # as the scheduler takes them
         self._admit(ids, 0 if kind == "none" else -1, last_only=kind == "last")
 
+    @rule(ids=ids_st, k=st.integers(1, 4), host=st.booleans())
+    def fork(self, ids, k, host):  # a fork snapshot of a cached path, as prefill takes it
+        if k * self.s.step <= len(ids):
+            self.s.fork(ids, k * self.s.step, host)
+
+    @rule(ids=ids_st, host=st.booleans())
+    def fork_where_the_path_leaves(self, ids, host):  # the scheduler's depth
+        depth = self.s.ref.path_len(ids) // self.s.step * self.s.step
+        if depth > 0:
+            self.s.fork(ids, depth, host)
+
     @precondition(lambda self: self.s.requests)
     @rule(pick=st.integers(0, 2))
     def finish(self, pick):
@@ -130,6 +141,14 @@ class ShortMatch(PrefixCache):
         return super().match(ids[:m.cached_len]) if m.cached_len else m
 
 
+class ShortPath(PrefixCache):
+    """Reports the cached path one page shorter than it is (fork snapshots land too high)."""
+
+    def match(self, ids) -> PrefixMatch:
+        m = super().match(ids)
+        return m._replace(path_len=max(0, m.path_len - self.page_size))
+
+
 class FreesTreePages(PrefixCache):
     """Returns every already-cached caller page as freed, even the tree's own."""
 
@@ -149,13 +168,36 @@ class NoLock(PrefixCache):
         pass
 
 
+class ForkAtTheWrongDepth(PrefixCache):
+    """Attaches a fork snapshot one grid step above the depth its state belongs to."""
+
+    def attach(self, ids, depth, slot, host=False):
+        return super().attach(ids, max(self.snapshot_step, depth - self.snapshot_step), slot,
+                              host)
+
+
+class ForkSaysNo(PrefixCache):
+    """Takes a fork snapshot but reports that it did not (the caller frees a tree slot)."""
+
+    def attach(self, ids, depth, slot, host=False):
+        super().attach(ids, depth, slot, host)
+        return False
+
+
 def scripted(session: Session) -> None:
-    """Two branches, a re-use of one, evictions of both kinds, a flush."""
+    """Two branches, a re-use of one, a path cached without snapshots and forks on it (one
+    refused: the node has one), evictions of both kinds, a flush."""
     a, b = STEMS[0][:24], STEMS[0][:8] + STEMS[1][:16]
     session.finish(session.admit(a))
     session.finish(session.admit(b))
     session.finish(session.admit(a + [1]))  # reuses a's pages up to its deepest snapshot
     session.match(a + [5])
+    c = STEMS[2][:24]
+    session.finish(session.admit(c, snapshot_mask=0))  # KV only: no resumable depth
+    assert session.fork(c + [1], 2 * session.step)  # inside the edge: split there
+    assert session.fork(c, 2 * session.step) is False  # already has one
+    assert session.fork(STEMS[1][:24], session.step) is False  # not cached
+    session.match(c[:2 * session.step] + [7])  # resumes at the fork
     session.evict(n_pages=4)
     session.evict(n_slots=1)
     session.evict(flush=True)
@@ -168,10 +210,14 @@ def test_the_scripted_session_passes_on_the_real_cache():
 
 
 BROKEN = [(LeakyEvict, "leak"), (LRUInversion, "evict-lru"), (ShortMatch, "match-depth"),
-          (FreesTreePages, "insert-freed"), (NoLock, "lock")]
+          (ShortPath, "match-path"),
+          (FreesTreePages, "insert-freed"), (NoLock, "lock"), (ForkSaysNo, "attach")]
+# in a random session the wrong depth may be refused where the right one is not: "attach"
+SCRIPTED_BROKEN = [*BROKEN, (ForkAtTheWrongDepth, "contents")]
 
 
-@pytest.mark.parametrize(("cache_cls", "tag"), BROKEN, ids=[c.__name__ for c, _ in BROKEN])
+@pytest.mark.parametrize(("cache_cls", "tag"), SCRIPTED_BROKEN,
+                         ids=[c.__name__ for c, _ in SCRIPTED_BROKEN])
 def test_a_broken_cache_fails_the_scripted_session_under_its_tag(cache_cls, tag):
     with pytest.raises(Mismatch) as failure:
         scripted(Session(4, 1 + 96 // 4, 12, GRID, cache_cls=cache_cls))

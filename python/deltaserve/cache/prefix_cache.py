@@ -42,6 +42,9 @@ class PrefixMatch(NamedTuple):
     pages: list[int]  # cached_len // page_size page ids covering [0, cached_len)
     snapshot_slot: int | None  # device slot with the GDN state after exactly cached_len tokens
     host_slot: int | None = None  # or the bank slot with it; exactly one set iff cached_len > 0
+    # keys of ids[:len(ids) - 1] on the tree's KV path (a page multiple >= cached_len): where
+    # the cached path leaves ids, or ends; the scheduler's fork snapshots aim below it
+    path_len: int = 0
 
 
 class InsertResult(NamedTuple):
@@ -108,7 +111,7 @@ class PrefixCache:
                 best = node
         self.tree.touch(best, self.clock())
         return PrefixMatch(best, best.depth, self.tree.path_pages(best), best.snapshot_slot,
-                           best.host_slot)
+                           best.host_slot, self.tree.path_len(keys))
 
     def restore(self, match: PrefixMatch, dst_slot: int) -> None:
         """Write the GDN state after exactly `match.cached_len` tokens into allocated device
@@ -188,6 +191,37 @@ class PrefixCache:
             else:
                 self.tree.set_snapshot(node, slot, host=True)
         return InsertResult(freed, unused, unused_host)
+
+    def attach(self, ids: Sequence[int], depth: int, slot: int, host: bool = False) -> bool:
+        """Give the tree snapshot `slot` (a device slot, or a bank slot with `host`) holding
+        the state after exactly `depth` tokens of `ids`, at the node at `depth` on the cached
+        path of `ids` (splitting its edge there), before any pages of `ids` are inserted: a
+        fork snapshot of a request that recomputes a prefix the tree already caches.
+
+        `depth` is on the snapshot grid and `len(keys(ids)) >= depth` (with lookahead keys
+        `ids` runs one token past `depth`). Returns True when the tree took the slot (it owns
+        it now; the path up to the node is touched); False, changing nothing, when the
+        cached path is shorter than `depth` (evicted meanwhile) or the node there already has
+        a snapshot: the caller keeps the slot.
+        """
+        assert depth > 0 and depth % self.snapshot_step == 0, (
+            f"snapshot depth {depth} not on the {self.snapshot_step}-grid")
+        if host:
+            assert self.host_bank is not None and self.host_bank.is_allocated(slot), slot
+            assert slot not in self.tree.host_slots, f"host slot {slot} already in the tree"
+        else:
+            assert self.state_pool.is_allocated(slot), f"snapshot slot {slot} not allocated"
+            assert slot not in self.tree.slots, f"slot {slot} already in the tree"
+        keys = self._keys(ids)[:depth]
+        assert len(keys) == depth, f"{len(keys)} keys for a snapshot at {depth}"
+        if self.tree.path_len(keys) < depth:
+            return False
+        node = self.tree.node_at(keys, depth)
+        if node.has_snapshot:
+            return False
+        self.tree.set_snapshot(node, slot, host=host)
+        self.tree.touch(node, self.clock())
+        return True
 
     # ---- eviction -----------------------------------------------------------------------
     def evictable_pages(self) -> int:

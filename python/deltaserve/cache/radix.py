@@ -108,6 +108,14 @@ class RadixTree:
             node, pos = child, pos + len(child.keys)
         return path
 
+    def path_len(self, keys: list[int]) -> int:
+        """How many leading `keys` the tree caches, rounded down to pages (into an edge where
+        the path forks inside it). Pure: no touch, no split."""
+        path = self.match_path(keys)
+        node = path[-1] if path else self.root
+        child = self._child(node, keys, node.depth)
+        return node.depth + (self._common(child.keys, keys, node.depth) if child else 0)
+
     def path_pages(self, node: RadixNode) -> list[int]:
         """Page ids covering keys [0, node.depth)."""
         chunks = [n.pages for n in node.path()]

@@ -344,18 +344,21 @@ class LLMEngine:
         pool, host = self.page_pool, self.prefix_cache.host_usage()
         logger.info(
             "step %d %s batch: #req %d, k %d, #new-token %d, #cached-token %d, pages %d/%d "
-            "used, #slots %d/%d used on device, #host-slots %d/%d used, running %d, waiting %d",
+            "used, #slots %d/%d used on device, #host-slots %d/%d used, #fork-snapshots %d, "
+            "running %d, waiting %d",
             self.num_steps, batch.phase.value, batch.size,
             batch.rows_per_req - 1 if batch.phase is not Phase.PREFILL else 0, new, cached,
             pool.num_pages - 1 - pool.num_free, pool.num_pages - 1,
             self.state_pool.num_slots - 1 - self.state_pool.num_free,
             self.state_pool.num_slots - 1, host.n_used, host.n_slots,
-            len(self.scheduler.running), len(self.scheduler.waiting))
+            self.scheduler.snaps.n_forks, len(self.scheduler.running),
+            len(self.scheduler.waiting))
 
     # ---- introspection ------------------------------------------------------------------
     def cache_status(self) -> dict:
         """Pools and prefix cache now: pages, device slots, host-bank slots and bytes (all 0
-        without a bank), snapshots taken at prefill chunk ends, queue lengths, hit tokens."""
+        without a bank), snapshots taken at prefill chunk ends and at forks from a cached
+        path, queue lengths, hit tokens."""
         pool, sp = self.page_pool, self.state_pool
         stats, host = self.prefix_cache.stats(), self.prefix_cache.host_usage()
         snaps = self.scheduler.snaps
@@ -377,6 +380,8 @@ class LLMEngine:
             "chunk_snapshots_taken": snaps.n_taken,
             "chunk_snapshots_skipped": snaps.n_skipped,
             "chunk_snapshots_to_host": snaps.n_to_host,
+            "fork_snapshots_taken": snaps.n_forks,  # where a prompt left a cached path
+            "fork_snapshots_skipped": snaps.n_forks_skipped,  # no slot on either tier
             "running_requests": len(self.scheduler.running),
             "waiting_requests": len(self.scheduler.waiting),
             "hit_tokens": self.scheduler.hit_tokens,

@@ -10,7 +10,9 @@ G = lcm(snapshot_grid, page_size), B <= prompt_len) ends a prefill chunk and is 
 track slot reserved at admission; every intermediate prefill chunk ends on the grid and its end
 is copied to a snapshot slot taken then, when one can be had. All of them enter the prefix
 cache when the request finishes. A finished request whose processed length is on the grid
-gives its live slot to the cache as one more snapshot.
+gives its live slot to the cache as one more snapshot. A prompt that leaves a cached path
+past that path's last snapshot also ends a chunk at the deepest grid boundary on the shared
+part (a fork snapshot, given to the tree at once: see snapshots.py).
 
 Speculation: decode and verify steps take no snapshot. A verify step runs k+1 rows and replays
 only the accepted ones into the live state, so the state at a grid boundary crossed inside the
@@ -58,7 +60,8 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.snaps = PrefillSnapshots(state_pool, cache, self.grid, cfg.max_prompt_snapshots,
-                                      enabled=cfg.enable_prefix_cache)
+                                      enabled=cfg.enable_prefix_cache,
+                                      forks=cfg.fork_snapshots)
         self.hit_tokens = 0
         self.prompt_tokens = 0
         self._prefill_turn = False  # the last batch was a prefill batch
@@ -142,6 +145,7 @@ class Scheduler:
             self.snaps.reserve(req, depths)
             req.admit(cached_len, live, list(match.pages) if match else [],
                       match.node if match else None)
+            self.snaps.plan_fork(req, match.path_len if match else 0)
             self.hit_tokens += cached_len
             self.prompt_tokens += req.prompt_len
             self.running.append(req)

@@ -20,6 +20,18 @@ to the prefix cache together when the request is released:
   `max_prompt_snapshots`, kept evenly spread by taking one only `interval(prompt_len)` tokens
   or more past the request's previous snapshot (or its cached prefix); the interval is G for
   prompts of up to max_prompt_snapshots·G tokens and grows with the prompt beyond that.
+- **Fork snapshots**, at most one per request, where its prompt leaves (or runs past the last
+  snapshot of) a path the tree caches: a shared system prompt is cached as KV by the first
+  request, but its snapshots lie in that request's own suffix. At admission, when the match
+  shows the cached path running to depth p (PrefixMatch.path_len) past the snapshot it
+  resumes from, the deepest grid boundary f <= p, if deeper than that snapshot, ends a prefill
+  chunk (as a track depth does); there the live state is copied to a slot taken as for chunk
+  snapshots and attached at once to the tree node at f (PrefixCache.attach: the tree already
+  holds the KV of [0, f)), so a request admitted after that chunk resumes at f, even while
+  this one still runs. If the path was evicted meanwhile, it stays with the request as a
+  chunk snapshot and enters the tree at release. Only one running request claims a given
+  prefix's fork. It counts against `max_prompt_snapshots` (its chunk snapshots stop one
+  short); with lookahead keys p is the lookahead match depth.
 
 Nothing touches a request's pages or its radix-tree handles before release. Decode and verify
 steps take no snapshot here (see scheduler.py for the speculation rule).
@@ -39,15 +51,21 @@ class PrefillSnapshots:
     """Owns every running request's track slots and chunk-snapshot slots until release.
 
     `enabled` is False without a prefix cache (then nothing is snapshot and chunks are not
-    cut); `max_per_prompt` 0 turns chunk snapshots (and the rounding of chunk ends) off.
+    cut); `max_per_prompt` 0 turns chunk snapshots (and the rounding of chunk ends) off, and
+    fork snapshots with them; `forks` False turns fork snapshots off alone.
     """
 
     def __init__(self, state_pool: GDNStatePool, cache: PrefixCache, grid: int,
-                 max_per_prompt: int, enabled: bool) -> None:
+                 max_per_prompt: int, enabled: bool, forks: bool = True) -> None:
         assert grid >= 1 and max_per_prompt >= 0
         self.state_pool, self.cache, self.grid = state_pool, cache, grid
         self.max_per_prompt = max_per_prompt
         self.enabled = enabled
+        self.forks_on = forks and self.chunk_snapshots_on
+        self.forks: dict[int, tuple[int, tuple[int, ...]]] = {}  # rid -> (depth, claim key)
+        self.claims: dict[tuple[int, ...], int] = {}  # prompt_ids[:depth + 1] -> claiming rid
+        self.n_forks = 0  # fork snapshots taken (attached at once or kept till release)
+        self.n_forks_skipped = 0  # fork depths reached that found no slot on either tier
         self.tracks: dict[int, dict[int, int]] = {}  # rid -> {depth: reserved track slot}
         # rid -> (request, depths of its chunk snapshots in the order they were taken)
         self.chunk: dict[int, tuple[Req, list[int]]] = {}
@@ -82,10 +100,25 @@ class PrefillSnapshots:
             on_grid = end // self.grid * self.grid
             if on_grid > start:
                 end = on_grid
-        for depth in self.tracks.get(req.rid, ()):
+        fork = self.forks.get(req.rid)
+        for depth in (*self.tracks.get(req.rid, ()), *(fork[:1] if fork else ())):
             if start < depth < end:
                 end = depth
         return end - start
+
+    def plan_fork(self, req: Req, path_len: int) -> None:
+        """At admission, after `reserve` and `req.admit`: plan `req`'s fork snapshot at the
+        deepest grid boundary <= `path_len` (PrefixMatch.path_len) when it lies past
+        req.cached_len, is no track depth and no running request has claimed it."""
+        depth = path_len // self.grid * self.grid
+        if (not self.forks_on or depth <= req.cached_len or depth >= req.prompt_len
+                or depth in self.tracks.get(req.rid, {})):
+            return
+        key = tuple(req.prompt_ids[:depth + 1])  # +1: lookahead keys pair t_depth in
+        if key in self.claims:
+            return
+        self.claims[key] = req.rid
+        self.forks[req.rid] = (depth, key)
 
     # ---- slots --------------------------------------------------------------------------
     def reclaimable(self) -> int:
@@ -124,6 +157,29 @@ class PrefillSnapshots:
             self.cache.evict(n_slots=1)
         return self.state_pool.allocate() if self.state_pool.can_allocate(1) else None
 
+    def _copy_out(self, req: Req) -> tuple[int, bool] | None:
+        """The live state of `req` copied to a device slot, else stored into a free bank slot:
+        (slot, on the host), or None when neither tier has one."""
+        slot = self._try_take_slot()
+        if slot is not None:
+            self.state_pool.copy(req.slot, slot)
+            return slot, False
+        bank = self.cache.host_bank
+        if bank is None or not bank.can_allocate(1):
+            return None
+        host = bank.allocate()
+        bank.store(self.state_pool, req.slot, host)  # ordered before the next chunk
+        return host, True
+
+    def _keep(self, req: Req, d: int, slot: int, host: bool) -> None:
+        """Record a snapshot at depth d that enters the tree with `req`'s release."""
+        if host:
+            req.host_snapshots[d] = slot
+            self.n_to_host += 1
+        else:
+            req.snapshots[d] = slot
+            self.chunk.setdefault(req.rid, (req, []))[1].append(d)
+
     # ---- request life -------------------------------------------------------------------
     def reserve(self, req: Req, depths: list[int]) -> None:
         """At admission: take one track slot per depth (their contents are written when the
@@ -136,38 +192,54 @@ class PrefillSnapshots:
         an intermediate grid depth far enough past the previous snapshot. Mutates
         req.snapshots and the state pool; the live slot is unchanged."""
         d = req.device_len
-        track = self.tracks.get(req.rid, {}).get(d)
-        if track is not None:
-            self.state_pool.copy(req.slot, track)
-            req.snapshots[d] = track
+        tracks = self.tracks.get(req.rid, {})
+        if d in tracks:
+            self.state_pool.copy(req.slot, tracks[d])
+            req.snapshots[d] = tracks[d]
+            return
+        fork = self.forks.get(req.rid)
+        if fork is not None and fork[0] == d:
+            self._take_fork(req, fork[1])
             return
         if not self.chunk_snapshots_on or d >= req.prompt_len or d % self.grid:
             return
-        previous = max((*req.snapshots, *req.host_snapshots), default=req.cached_len)
+        # the fork counts against the cap from admission on, and spaces what follows it
+        taken = {x for x in (*req.snapshots, *req.host_snapshots) if x not in tracks}
+        if fork is not None:
+            taken.add(fork[0])
+        if len(taken) >= self.max_per_prompt:
+            return
+        previous = max((x for x in taken if x < d), default=req.cached_len)
         if d - previous < self.interval(req.prompt_len):
             return
-        slot = self._try_take_slot()
-        if slot is None:
-            bank = self.cache.host_bank
-            if bank is None or not bank.can_allocate(1):
-                self.n_skipped += 1
-                return
-            host = bank.allocate()
-            bank.store(self.state_pool, req.slot, host)  # ordered before the next chunk
-            req.host_snapshots[d] = host
-            self.n_taken += 1
-            self.n_to_host += 1
+        got = self._copy_out(req)
+        if got is None:
+            self.n_skipped += 1
             return
-        self.state_pool.copy(req.slot, slot)
-        req.snapshots[d] = slot
-        self.chunk.setdefault(req.rid, (req, []))[1].append(d)
+        self._keep(req, d, *got)
         self.n_taken += 1
 
+    def _take_fork(self, req: Req, key: tuple[int, ...]) -> None:
+        """The fork depth is reached: copy the live state out and give it to the tree at
+        once, else keep it as a chunk snapshot; the claim ends either way."""
+        del self.claims[key]
+        got = self._copy_out(req)
+        if got is None:
+            self.n_forks_skipped += 1
+            return
+        self.n_forks += 1
+        slot, host = got
+        if not self.cache.attach(key, req.device_len, slot, host=host):
+            self._keep(req, req.device_len, slot, host)
+
     def release(self, req: Req) -> set[int]:
-        """Forget `req`: returns every device slot it holds besides its live slot (track
-        slots, taken or not, and chunk snapshots). `req.snapshots` still names the taken ones
-        and `req.host_snapshots` the bank's; the caller gives them to the cache or frees
-        them."""
+        """Forget `req` (its fork plan and claim too): returns every device slot it holds
+        besides its live slot (track slots, taken or not, and chunk snapshots).
+        `req.snapshots` still names the taken ones and `req.host_snapshots` the bank's; the
+        caller gives them to the cache or frees them."""
         held = set(self.tracks.pop(req.rid, {}).values())
         self.chunk.pop(req.rid, None)
+        fork = self.forks.pop(req.rid, None)
+        if fork is not None and self.claims.get(fork[1]) == req.rid:  # released before it
+            del self.claims[fork[1]]
         return held | set(req.snapshots.values())

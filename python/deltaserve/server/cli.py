@@ -44,6 +44,8 @@ _HELP = {
     "snapshot_grid": "GDN snapshot spacing in tokens (a multiple of 64)",
     "max_prompt_snapshots": "GDN snapshots per prompt taken at prefill chunk ends, kept evenly "
                             "spread (0: only the prompt's last grid boundary)",
+    "fork_snapshots": "take no GDN snapshot where a prompt leaves a path the prefix cache "
+                      "holds (a shared system prompt is then reused only at chunk ends)",
     "speculative_algorithm": "mtp or ngram",
     "speculative_num_steps": "drafts per verify step, 1..8 (0 or unset: 3; needs "
                              "--speculative-algorithm)",
