@@ -206,7 +206,8 @@ def report(res: dict, args) -> None:
         print(f"{'step_device_s':28s} {res['step_device_s']:.4g}")
         print(f"{'host_gap_s':28s} {res['host_gap_s']:.4g} ({100 * res['host_gap_share']:.1f}% "
               "of the step; target <= 5%)", flush=True)
-    for key in ("prefill_tok_s", "decode_b1_tok_s", "decode_b32_tok_s", "ttft_followup_s",
+    for key in ("prefill_tok_s", "decode_b1_tok_s", "decode_b32_tok_s", "ttft_256_s",
+                "ttft_followup_s",
                 "prefill_new_only_s", "ttft_cold_s", "followup_cached_tokens",
                 "anchor_decode_b1_tok_s", "anchor_decode_b32_tok_s", "anchor_prefill_s"):
         if key in res:
