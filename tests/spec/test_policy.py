@@ -28,13 +28,16 @@ def test_batch_buckets_are_the_next_power_of_two():
     assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 31, 32, 33)] == [1, 2, 4, 4, 8, 32, 32, 64]
 
 
-def test_the_policy_measures_a_verify_then_a_decode_before_it_decides():
-    p = AdaptivePolicy(3)
+def test_the_policy_measures_each_kind_past_its_warm_up_step_before_it_decides():
+    p = AdaptivePolicy(3, min_samples=2)
     reqs = [_R(0)]
-    assert p.choose(reqs) == 3
-    p.on_step(3, 1, 2.0)
-    assert p.choose(reqs) == 0
-    p.on_step(0, 1, 1.0)
+    chosen = []
+    for _ in range(6):
+        k = p.choose(reqs)
+        chosen.append(k)
+        p.on_step(k, 1, 9.0 if len(chosen) in (1, 4) else (2.0 if k else 1.0))
+    # a warm-up step (a graph capture: 9 s) is not counted, then two of each kind
+    assert chosen == [3, 3, 3, 0, 0, 0]
     assert p.cost(3, 1) == 2.0 and p.cost(0, 1) == 1.0
 
 

@@ -10,9 +10,11 @@ commits what plain decoding would).
 (each request's running acceptance length) beat what the measured cost ratio of a verify step
 to a decode step at this batch size demands. The costs are the engine's wall time per step
 (forward, proposer, sampling and host work alike), kept per batch-size bucket as the median of
-the last few steps of each kind, so a first step that captures a CUDA graph does not skew them.
-Both kinds are measured at start and refreshed every `explore_every` steps of a bucket, so the
-policy notices when a workload turns repetitive (or stops being so).
+the last few steps of each kind. The first step of each kind in a bucket is not counted (it
+captures a CUDA graph: seconds, not milliseconds, which on the H200 made a median of the first
+two samples pick plain decode for a whole MTP run), and each kind is measured `min_samples`
+times before the policy decides. Both kinds are refreshed every `explore_every` steps of a
+bucket, so the policy notices when a workload turns repetitive (or stops being so).
 """
 
 from __future__ import annotations
@@ -76,11 +78,13 @@ class AdaptivePolicy:
     """
 
     def __init__(self, k: int, window: int = 8, explore_every: int = 32,
-                 smoothing: float = 0.3, prior: float | None = None) -> None:
+                 smoothing: float = 0.3, prior: float | None = None,
+                 min_samples: int = 2) -> None:
         if k < 1:
             raise ValueError("the adaptive policy needs k >= 1 drafts")
         self.k, self.window, self.explore_every = k, window, explore_every
-        self.smoothing = smoothing
+        self.smoothing, self.min_samples = smoothing, min_samples
+        self._seen: set[tuple[int, int]] = set()  # (bucket, k) whose warm-up step was dropped
         self.prior = prior if prior is not None else 1.0 + k / 2
         self._costs: dict[tuple[int, int], deque[float]] = {}
         self._since_other: dict[int, int] = {}
@@ -98,11 +102,10 @@ class AdaptivePolicy:
 
     def choose(self, reqs: list[Req]) -> int:
         b = batch_bucket(len(reqs))
+        for k in (self.k, 0):  # measure each kind min_samples times first
+            if len(self._costs.get((b, k), ())) < self.min_samples:
+                return k
         verify, decode = self.cost(self.k, len(reqs)), self.cost(0, len(reqs))
-        if verify is None:
-            return self.k
-        if decode is None:
-            return 0
         mean_len = sum(self.acceptance(r) for r in reqs) / len(reqs)
         best = self.k if mean_len * decode >= verify else 0
         if self._since_other.get(b, 0) >= self.explore_every:
@@ -111,7 +114,9 @@ class AdaptivePolicy:
 
     def on_step(self, k: int, batch_size: int, seconds: float) -> None:
         b = batch_bucket(batch_size)
-        self._costs.setdefault((b, k), deque(maxlen=self.window)).append(seconds)
+        if (b, k) in self._seen:
+            self._costs.setdefault((b, k), deque(maxlen=self.window)).append(seconds)
+        self._seen.add((b, k))
         if k == self._last.get(b, k):
             self._since_other[b] = self._since_other.get(b, 0) + 1
         else:
