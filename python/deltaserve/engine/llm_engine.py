@@ -21,6 +21,7 @@ from deltaserve.core import Phase, Req, SamplingParams
 from deltaserve.engine.attention import PagedKVCache
 from deltaserve.engine.cuda_graph import GraphRunner
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.logprobs import TokenLogprob, step_logprobs
 from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.sampling import SamplingRow, sample_rows
 from deltaserve.engine.spec_protocol import load_spec_runtime
@@ -42,6 +43,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token (params.logprobs set)
 
 
 def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -280,8 +282,10 @@ class LLMEngine:
         self._log_step(batch)
         outputs = []
         now = time.monotonic()
+        new_by_rid = {r.rid: r.output_ids[before[r.rid]:] for r in batch.reqs}
+        logprobs = step_logprobs(out.logits, out.owners, new_by_rid)
         for req in batch.reqs:
-            new_ids = req.output_ids[before[req.rid]:]
+            new_ids = new_by_rid[req.rid]
             if not new_ids and not req.finished:
                 continue
             if new_ids and req.first_token_time is None:
@@ -293,7 +297,7 @@ class LLMEngine:
                 finished=req.finished,
                 finish_reason=req.finish_reason.value if req.finish_reason else None,
                 prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
-                cached_tokens=req.cached_len))
+                cached_tokens=req.cached_len, new_logprobs=logprobs.get(req.rid)))
             if req.finished:
                 self._reqs.pop(req.rid, None)
         return outputs
