@@ -21,6 +21,7 @@ from deltaserve.core import Phase, Req, SamplingParams
 from deltaserve.engine.attention import PagedKVCache
 from deltaserve.engine.cuda_graph import GraphRunner
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.grammar import GrammarBackend
 from deltaserve.engine.logprobs import TokenLogprob, step_logprobs
 from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.sampling import SamplingRow, sample_rows
@@ -140,6 +141,7 @@ class LLMEngine:
         self._reqs: dict[int, Req] = {}
         self.num_steps = 0
         self.generated_tokens = 0
+        self._grammar: GrammarBackend | None = None  # built by the first structured request
 
     def _build_caches(self) -> None:
         cfg, mc = self.cfg, self.model.config
@@ -207,6 +209,8 @@ class LLMEngine:
                   arrival_time=time.monotonic())
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
+        if params.structured is not None:
+            req.grammar = self.grammar.matcher(params.structured)
         req.detok = IncrementalDetokenizer(self.tokenizer, list(params.stop))
         self.scheduler.add(req)
         self._reqs[rid] = req
@@ -217,6 +221,18 @@ class LLMEngine:
         req = self.scheduler.abort(rid)
         self._reqs.pop(rid, None)
         return req is not None
+
+    @property
+    def grammar(self) -> GrammarBackend:
+        """The structured-output backend (built on first use: xgrammar reads the vocabulary).
+        Raises ValueError when the model has no tokenizer."""
+        if self._grammar is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer; this model "
+                                 "has none")
+            self._grammar = GrammarBackend(self.tokenizer, self.model.config.vocab_size,
+                                           self.eos_ids)
+        return self._grammar
 
     @property
     def max_request_len(self) -> int:
@@ -265,6 +281,9 @@ class LLMEngine:
             out = self.runner.forward(batch, keep_hidden)
         if spec is not None:
             spec.on_forward(batch, out.hidden)
+        constrained = [r for r in batch.reqs if r.grammar is not None]
+        if constrained:  # after the forward (a graph's output buffer), before sampling
+            self._grammar.mask(batch, out.logits, out.owners)
         before = {r.rid: len(r.output_ids) for r in batch.reqs}
         if batch.phase is Phase.VERIFY:
             sampled = spec.accept(batch, out.logits)
@@ -284,6 +303,8 @@ class LLMEngine:
         now = time.monotonic()
         new_by_rid = {r.rid: r.output_ids[before[r.rid]:] for r in batch.reqs}
         logprobs = step_logprobs(out.logits, out.owners, new_by_rid)
+        for req in constrained:
+            GrammarBackend.advance(req, new_by_rid[req.rid])
         for req in batch.reqs:
             new_ids = new_by_rid[req.rid]
             if not new_ids and not req.finished:
