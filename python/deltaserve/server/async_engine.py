@@ -115,6 +115,22 @@ class AsyncEngine:
         await self._submit(add)
         return stream
 
+    async def add_forks(self, prompt_ids: list[int],
+                        params: list[SamplingParams]) -> list[RequestStream]:
+        """Add len(params) choices of one prompt, prefilled once (LLMEngine.add_forks); returns
+        their streams in order once the engine accepted all of them. Raises as `add`; on an
+        error none of them was queued."""
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(next(self._rids), self, loop) for _ in params]
+
+        def add() -> None:
+            self.engine.add_forks(list(prompt_ids), list(params), [s.rid for s in streams])
+            with self._cond:
+                self._streams.update({s.rid: s for s in streams})
+
+        await self._submit(add)
+        return streams
+
     async def generate(self, prompt_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; aborts it if the caller stops early."""
