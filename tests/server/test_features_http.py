@@ -138,3 +138,18 @@ def test_json_object_and_bad_schemas(oai, served):
         oai.completions.create(model=served.model, prompt="x",
                                extra_body={"guided_regex": "(unclosed"})
     assert e.value.body["param"] == "guided_regex"
+
+
+def test_best_of_returns_the_sample_of_highest_summed_logprob(oai, served):
+    kwargs = dict(model=served.model, prompt=[21, 22, 23], max_tokens=5, temperature=1.0,
+                  extra_body={"ignore_eos": True})
+    out = oai.completions.create(n=1, best_of=3, seed=60, **kwargs)
+    assert len(out.choices) == 1 and out.choices[0].logprobs is None
+    assert out.usage.completion_tokens == 15  # every sample counts
+    singles = [oai.completions.create(seed=60 + i, logprobs=0, **kwargs).choices[0]
+               for i in range(3)]
+    top = max(singles, key=lambda c: sum(c.logprobs.token_logprobs))
+    assert out.choices[0].text == top.text
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(n=2, best_of=1, **kwargs)
+    assert e.value.body["param"] == "best_of"

@@ -2,7 +2,7 @@
 
 Requests accept the OpenAI fields plus the vLLM sampling extensions (top_k, min_p,
 repetition_penalty, stop_token_ids, ignore_eos, guided_json, guided_regex). Fields the engine
-cannot honour (echo, best_of, suffix, non-text content, tool_choice "required" or a named
+cannot honour (echo, suffix, non-text content, tool_choice "required" or a named
 function, and vLLM's other extensions that would change the output: `VLLM_UNSUPPORTED`) are
 rejected with `InvalidRequest`, never silently ignored. Other unknown fields are ignored, as
 vLLM does.
@@ -134,6 +134,10 @@ class _GenerationRequest(BaseModel):
         """SamplingParams.logprobs: None (off) or how many top tokens to return per token."""
         return None
 
+    def num_samples(self) -> int:
+        """Choices to generate: n, or best_of (completions) to return the n best of."""
+        return self.n or 1
+
     def stop_list(self) -> list[str]:
         """`stop` as a list (OpenAI takes one string or a list)."""
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -174,7 +178,12 @@ class CompletionRequest(_GenerationRequest):
     suffix: str | None = None
 
     def logprob_count(self) -> int | None:
+        if self.logprobs is None and self.num_samples() > (self.n or 1):
+            return 0  # best_of ranks the samples by their summed logprobs
         return self.logprobs
+
+    def num_samples(self) -> int:
+        return self.best_of or self.n or 1
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -182,8 +191,11 @@ class CompletionRequest(_GenerationRequest):
             raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
         if self.echo:
             raise InvalidRequest("echo is not supported by deltaserve", "echo")
-        if self.best_of not in (None, self.n or 1):
-            raise InvalidRequest("best_of is not supported: it must equal n", "best_of")
+        if self.best_of is not None and not (self.n or 1) <= self.best_of <= MAX_N:
+            raise InvalidRequest(f"best_of must be in [n, {MAX_N}]", "best_of")
+        if self.best_of not in (None, self.n or 1) and self.stream:
+            raise InvalidRequest("best_of > n cannot be streamed (as in OpenAI's API)",
+                                 "best_of")
         if self.suffix:
             raise InvalidRequest("suffix is not supported by deltaserve", "suffix")
         if isinstance(self.prompt, list) and (not self.prompt or self.prompt[0] == []):

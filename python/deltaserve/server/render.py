@@ -108,8 +108,9 @@ class CompletionRenderer(_Renderer):
             index=choice.index, text=out.new_text, finish_reason=out.finish_reason,
             logprobs=lp)])]
 
-    def response(self, rid: str, choices: list[Choice]) -> CompletionResponse:
-        return CompletionResponse(id=rid, model=self.model, usage=usage(choices), choices=[
+    def response(self, rid: str, choices: list[Choice], total: Usage) -> CompletionResponse:
+        """The whole response; `total`: the usage of every sample (best_of counts them all)."""
+        return CompletionResponse(id=rid, model=self.model, usage=total, choices=[
             CompletionChoice(index=c.index, text=c.text, finish_reason=c.last.finish_reason,
                              logprobs=self.logprobs(c.logprobs, 0) if self.want_logprobs
                              else None) for c in choices])
@@ -164,7 +165,7 @@ class ChatRenderer(_Renderer):
         return [ChatCompletionChunk(id=rid, model=self.model, choices=[ChatChunkChoice(
             index=choice.index, delta=d, finish_reason=r, logprobs=lp)]) for d, r, lp in deltas]
 
-    def response(self, rid: str, choices: list[Choice]) -> ChatCompletionResponse:
+    def response(self, rid: str, choices: list[Choice], total: Usage) -> ChatCompletionResponse:
         out = []
         for c in choices:
             content: str | None = c.text
@@ -180,5 +181,4 @@ class ChatRenderer(_Renderer):
             out.append(ChatChoice(index=c.index, message=message, finish_reason=reason,
                                   logprobs=self.logprobs(c.logprobs) if self.want_logprobs
                                   else None))
-        return ChatCompletionResponse(id=rid, model=self.model, choices=out,
-                                      usage=usage(choices))
+        return ChatCompletionResponse(id=rid, model=self.model, choices=out, usage=total)

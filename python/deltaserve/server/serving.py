@@ -162,7 +162,7 @@ class OpenAIServing:
         params = self.sampling_params(body, prompt_ids, prompt_param, default_max_tokens)
         params.logprobs = body.logprob_count()
         params.structured, spec_param = grammar_spec(body)
-        n = body.n or 1
+        n = body.num_samples()
         out = [params] + [replace(params, seed=None if params.seed is None else params.seed + i)
                           for i in range(1, n)]
         for p in out[1:]:
@@ -227,7 +227,7 @@ class OpenAIServing:
             return self._streaming(rid, endpoint, body, streams, renderer)
         choices = await self._collect(rid, endpoint, streams, request, renderer)
         self._finished(rid, endpoint, choices)
-        return renderer.response(rid, choices)
+        return renderer.response(rid, best(choices, body.n or 1), usage(choices))
 
     # -- output --------------------------------------------------------------------------------
 
@@ -301,6 +301,17 @@ class OpenAIServing:
     def _aborted(self, rid: str, endpoint: str) -> None:
         self.metrics.requests.labels(endpoint=endpoint, finish_reason="abort").inc()
         logger.info("%s %s: client gone before the request finished; aborted", endpoint, rid)
+
+
+def best(choices: list[Choice], n: int) -> list[Choice]:
+    """The n choices of highest summed logprob (best_of, as vLLM ranks them), re-indexed in
+    that order; all of them, as they are, when there are only n."""
+    if len(choices) == n:
+        return choices
+    ranked = sorted(choices, key=lambda c: -sum(e.logprob for e in c.logprobs))[:n]
+    for i, c in enumerate(ranked):
+        c.index = i
+    return ranked
 
 
 def _token_ids(body: _GenerationRequest) -> bool:
