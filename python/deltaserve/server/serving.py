@@ -175,6 +175,8 @@ class OpenAIServing:
                      prompt_param: str, default_max_tokens: int | None) -> list[RequestStream]:
         params, spec_param = self._params(body, prompt_ids, prompt_param, default_max_tokens)
         try:
+            if params[0].structured is not None:
+                await self.engine.prepare_grammar(params[0].structured)
             if len(params) == 1:
                 streams = [await self.engine.add(prompt_ids, params[0])]
             else:
