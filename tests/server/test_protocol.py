@@ -8,12 +8,8 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from deltaserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    InvalidRequest,
-    Usage,
-)
+from deltaserve.server.protocol import ChatCompletionRequest, CompletionRequest, InvalidRequest
+from deltaserve.server.responses import Usage
 from deltaserve.server.serving import OpenAIServing
 
 

@@ -1,4 +1,4 @@
-"""OpenAI wire format: request, response and streaming-chunk models, and the error object.
+"""OpenAI wire format: request models and the error object (responses: responses.py).
 
 Requests accept the OpenAI fields plus the vLLM sampling extensions (top_k, min_p,
 repetition_penalty, stop_token_ids, ignore_eos, guided_json, guided_regex). Fields the engine
@@ -10,28 +10,19 @@ vLLM does.
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     StrictBool,
     StrictFloat,
     StrictInt,
-    model_serializer,
 )
 
 from deltaserve.core import MAX_LOGPROBS, SamplingParams
-from deltaserve.server.protocol_extras import (
-    ChatLogprobs,
-    CompletionLogprobs,
-    DeltaToolCall,
-    ToolCall,
-)
+from deltaserve.server.responses import _now
 from deltaserve.server.tool_requests import check_tools, history_calls
 
 
@@ -318,101 +309,6 @@ class ChatCompletionRequest(_GenerationRequest):
 
 # ---------------------------------------------------------------------------------------------
 # Responses
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    """Token counts; `prompt_tokens_details.cached_tokens` = prompt tokens from the prefix cache."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-    @classmethod
-    def of(cls, prompt: int, completion: int, cached: int) -> Usage:
-        return cls(prompt_tokens=prompt, completion_tokens=completion,
-                   total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: CompletionLogprobs | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaMessage(BaseModel):
-    """A streamed message delta; unset fields are left out, as OpenAI sends them."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One SSE event of a streamed chat completion (the usage chunk has no choices)."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):

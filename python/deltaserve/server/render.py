@@ -12,25 +12,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from deltaserve.server.protocol import (
+from deltaserve.server.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
-    CompletionChoice,
-    CompletionResponse,
-    DeltaMessage,
-    Usage,
-)
-from deltaserve.server.protocol_extras import (
     ChatLogprobs,
     ChatTokenLogprob,
+    CompletionChoice,
     CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
     DeltaToolCall,
     FunctionCall,
     ToolCall,
     TopLogprob,
+    Usage,
     finite,
 )
 from deltaserve.server.tool_calls import ParsedCall, ToolStreamParser, parse_tool_calls

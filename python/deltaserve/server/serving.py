@@ -17,15 +17,13 @@ from deltaserve.config import valid_seed
 from deltaserve.core import SamplingParams
 from deltaserve.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from deltaserve.server.protocol import (
-    ChatCompletionChunk,
     ChatCompletionRequest,
     CompletionRequest,
-    CompletionResponse,
     InvalidRequest,
     _GenerationRequest,
-    new_id,
 )
 from deltaserve.server.render import ChatRenderer, Choice, CompletionRenderer, usage
+from deltaserve.server.responses import ChatCompletionChunk, CompletionResponse, new_id
 from deltaserve.server.structured import grammar_spec
 from deltaserve.server.tool_requests import parses_tool_calls
 
