@@ -90,6 +90,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+class _Envelope(BaseModel):
+    """What every completion response and chunk carries."""
+
+    id: str
+    created: int = Field(default_factory=_now)
+    model: str
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
@@ -97,11 +105,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -112,18 +117,18 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class ChatChoice(BaseModel):
+class _ChatChoiceBase(BaseModel):
     index: int = 0
-    message: AssistantMessage
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatChoice(_ChatChoiceBase):
+    message: AssistantMessage
+
+
+class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -140,19 +145,13 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
-    index: int = 0
+class ChatChunkChoice(_ChatChoiceBase):
     delta: DeltaMessage
-    finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Envelope):
     """One SSE event of a streamed chat completion (the usage chunk has no choices)."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
