@@ -69,3 +69,20 @@ def test_logprobs_are_off_unless_asked_and_bounded(checkpoint):
     assert out.logprobs is None
     with pytest.raises(ValueError, match="logprobs must be"):
         llm.generate([[1, 2, 3]], SamplingParams(logprobs=21))
+
+
+def test_logprobs_of_accepted_drafts_come_from_their_own_verify_rows():
+    """The embedded default model repeats code, so n-gram drafts are accepted: tokens 1..k of a
+    verify step take their logprobs from verify rows 1..k (within 1e-5 of the reference)."""
+    from deltaserve.default_model import default_model_path
+
+    llm = LLM(None, device="cpu", dtype="float32", speculative_algorithm="ngram",
+              speculative_num_steps=3, num_pages=256)
+    prompt = llm.tokenizer.encode("    if cmd is None:\n        return None\n" * 2)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, logprobs=2,
+                                                ignore_eos=True))[0]
+    assert llm.engine.acceptance_length > 1.0  # some rows past the first were committed
+    ref = reference_logprobs(str(default_model_path()), prompt, out.token_ids)
+    for j, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert abs(entry.logprob - float(ref[j, tok])) < 1e-5, j
+        assert entry.top[0][0] == tok  # greedy: the committed token is its row's argmax
