@@ -2,10 +2,10 @@
 
 The grammar library is xgrammar (0.2.x; vLLM's and SGLang's default): it compiles a JSON schema,
 free JSON or a regex against the tokenizer's vocabulary once, keeps one matcher per request, and
-fills a token bitmask ([rows, ceil(V / 32)] int32, bit t of a row set = token t allowed) that
-`apply_token_bitmask_inplace` applies to the logits (disallowed tokens -> -inf) with a CPU kernel
-or a CUDA one. The mask is applied to the logits after the forward (after a CUDA graph's replay,
-to its output buffer), so graphs never see it.
+fills a token bitmask ([rows, ceil(V / 32)] int32, bit t of a row set = token t allowed) on the
+CPU, which ops/token_mask.py applies to the logits (disallowed tokens -> -inf) on their device.
+The mask is applied to the logits after the forward (after a CUDA graph's replay, to its output
+buffer), so graphs never see it.
 
 A matcher always stands at its request's committed output. A verify step masks row j with the
 matcher after drafts[:j] (the drafts are accepted into the matcher one by one; a draft the
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from deltaserve.core import Phase
+from deltaserve.ops.token_mask import apply_token_bitmask
 
 if TYPE_CHECKING:
     from deltaserve.core import Batch, Req
@@ -95,9 +96,7 @@ class GrammarBackend:
                 if _live(req):
                     req.grammar.fill_next_token_bitmask(bitmask, i)
                     rows.append(i)
-        if rows:
-            self._xgr.apply_token_bitmask_inplace(
-                logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+        apply_token_bitmask(logits, bitmask, rows)
 
     @staticmethod
     def _fill_verify(matcher, bitmask: torch.Tensor, base: int, drafts: list[int]) -> list[int]:
