@@ -48,6 +48,8 @@ SAMPLING_EPS = 1e-5
 # (100,000 stop strings slowed every other request in the batch tenfold).
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512
+# OpenAI's bound on top_logprobs (chat) and logprobs (completions)
+MAX_LOGPROBS = 20
 
 
 def _is_number(x: object) -> bool:
@@ -82,6 +84,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # None: no logprobs; N >= 0: the sampled token's logprob and the N most likely tokens'
+    # (log-softmax of the raw model logits of the row that produced the token)
+    logprobs: int | None = None
+    # a deltaserve.engine.grammar.GrammarSpec: output constrained by a token bitmask
+    structured: Any = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -130,6 +137,9 @@ class SamplingParams:
              and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be a list of non-negative integers"),
             (lambda: isinstance(self.ignore_eos, bool), "ignore_eos must be true or false"),
+            (lambda: self.logprobs is None
+             or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"logprobs must be an integer in [0, {MAX_LOGPROBS}]"),
         ]
         for ok, message in checks:
             if not ok():
@@ -161,6 +171,7 @@ class Req:
     host_snapshots: dict[int, int] = field(default_factory=dict)  # depth -> host bank slot
     generator: torch.Generator | None = None
     detok: Any = None
+    grammar: Any = None  # a grammar matcher at the committed output (structured output)
     arrival_time: float = 0.0
     first_token_time: float | None = None
 

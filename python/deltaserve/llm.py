@@ -9,17 +9,20 @@ from dataclasses import dataclass, fields
 from deltaserve.config import EngineConfig
 from deltaserve.core import SamplingParams
 from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.engine.logprobs import TokenLogprob
 
 
 @dataclass
 class CompletionOutput:
-    """One finished request: generated token ids and text, why it stopped, cache reuse."""
+    """One finished request: generated token ids and text, why it stopped, cache reuse, and
+    (when `SamplingParams.logprobs` is set) one TokenLogprob per generated token."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: str | None
     cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
 
 
 class LLM:
@@ -84,7 +87,8 @@ class LLM:
             warnings.warn(f"max_tokens does not fit the context length {limit} for {cut} "
                           "prompt(s): they stop at the context length", stacklevel=2)
         results: dict[int, CompletionOutput] = {
-            rid: CompletionOutput(ids, [], "", None, 0) for rid, ids in zip(rids, id_lists)}
+            rid: CompletionOutput(ids, [], "", None, 0, [] if sp.logprobs is not None else None)
+            for rid, ids, sp in zip(rids, id_lists, sampling_params)}
         try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
@@ -92,6 +96,8 @@ class LLM:
                     res.token_ids.extend(out.new_token_ids)
                     res.text += out.new_text
                     res.cached_tokens = out.cached_tokens
+                    if out.new_logprobs:
+                        res.logprobs.extend(out.new_logprobs)
                     if out.finished:
                         res.finish_reason = out.finish_reason
         except BaseException:

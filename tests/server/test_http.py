@@ -191,15 +191,15 @@ def test_token_ids_outside_the_vocabulary_are_a_400(client):
 def test_bad_sampling_parameters_are_a_400_naming_the_field(client):
     cases = [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
              ({"top_k": -5}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
-             ({"presence_penalty": 3}, "presence_penalty"), ({"n": 2}, "n"),
-             ({"logprobs": 1}, "logprobs"), ({"temperature": "hot"}, "temperature"),
+             ({"presence_penalty": 3}, "presence_penalty"), ({"n": 0}, "n"),
+             ({"logprobs": 21}, "logprobs"), ({"temperature": "hot"}, "temperature"),
              ({"stop": [""]}, "stop")]
     for extra, param in cases:
         r = client.post("/v1/completions", json={"prompt": "Hi", **extra})
         assert_openai_error(r, 400, param)
     chat = {"messages": [{"role": "user", "content": "Hi"}]}
     for extra, param in [({"max_completion_tokens": 0}, "max_completion_tokens"),
-                         ({"logprobs": True}, "logprobs"), ({"top_p": 1.5}, "top_p")]:
+                         ({"top_logprobs": 3}, "top_logprobs"), ({"top_p": 1.5}, "top_p")]:
         r = client.post("/v1/chat/completions", json={**chat, **extra})
         assert_openai_error(r, 400, param)
 

@@ -66,5 +66,5 @@ def test_bad_requests_raise_bad_request_error(oai, served):
         oai.completions.create(model=served.model, prompt=[7] * (MAX_MODEL_LEN + 1))
     assert e.value.body["param"] == "prompt"
     with pytest.raises(openai.BadRequestError):
-        oai.chat.completions.create(model=served.model, n=2,
+        oai.chat.completions.create(model=served.model, n=0,
                                     messages=[{"role": "user", "content": "Hi"}])

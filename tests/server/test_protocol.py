@@ -8,12 +8,8 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from deltaserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    InvalidRequest,
-    Usage,
-)
+from deltaserve.server.protocol import ChatCompletionRequest, CompletionRequest, InvalidRequest
+from deltaserve.server.responses import Usage
 from deltaserve.server.serving import OpenAIServing
 
 
@@ -57,13 +53,18 @@ def test_a_bad_sampling_field_is_named_as_the_param(fields, param):
 
 
 @pytest.mark.parametrize("body,param", [
-    (CompletionRequest(prompt="x", n=3), "n"),
-    (CompletionRequest(prompt="x", logprobs=0), "logprobs"),
+    (CompletionRequest(prompt="x", n=0), "n"),
+    (CompletionRequest(prompt="x", n=129), "n"),
+    (CompletionRequest(prompt="x", logprobs=21), "logprobs"),
+    (CompletionRequest(prompt="x", n=3, best_of=2), "best_of"),
+    (CompletionRequest(prompt="x", best_of=2, stream=True), "best_of"),
     (CompletionRequest(prompt="x", echo=True), "echo"),
     (CompletionRequest(prompt=["a", "b"]), "prompt"),
     (CompletionRequest(prompt=[]), "prompt"),
-    (chat(logprobs=True), "logprobs"),
-    (chat(tools=[{"type": "function"}]), "tools"),
+    (chat(top_logprobs=2), "top_logprobs"),
+    (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (chat(tools=[{"type": "function"}]), "tools.0"),
+    (chat(response_format={"type": "yaml"}), "response_format"),
     (ChatCompletionRequest(messages=[]), "messages"),
     (CompletionRequest(prompt="x", logit_bias={"5": 100}), "logit_bias"),
     (chat(logit_bias={"5": -100}), "logit_bias"),
@@ -78,8 +79,8 @@ def test_a_bad_sampling_field_is_named_as_the_param(fields, param):
     (ChatCompletionRequest(messages=[
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "1", "content": "42"}]), "messages.1.tool_calls"),
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{x"}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "42"}]), "messages.1.tool_calls.0"),
 ])
 def test_unsupported_fields_are_refused_not_ignored(body, param):
     with pytest.raises(InvalidRequest) as e:
@@ -194,7 +195,7 @@ def test_the_engines_refusal_names_the_field_its_first_word_names(says, body, pr
 @pytest.mark.parametrize("field,value", [("min_tokens", 5), ("use_beam_search", True),
                                          ("include_stop_str_in_output", True),
                                          ("allowed_token_ids", [1, 2]),
-                                         ("guided_json", {"type": "object"}),
+                                         ("guided_grammar", "root ::= \"a\""),
                                          ("structured_outputs", {"regex": "a+"})])
 def test_vllm_extensions_that_would_change_the_output_are_refused_not_ignored(field, value):
     with pytest.raises(InvalidRequest) as e:

@@ -20,8 +20,11 @@ from deltaserve.config import EngineConfig
 from deltaserve.core import Phase, Req, SamplingParams
 from deltaserve.engine.attention import PagedKVCache
 from deltaserve.engine.cuda_graph import GraphRunner
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.forks import ForkGroups, parent_params
+from deltaserve.engine.grammar import GrammarBackend
+from deltaserve.engine.logprobs import TokenLogprob, step_logprobs
 from deltaserve.engine.model_runner import ModelRunner
+from deltaserve.engine.requests import new_req
 from deltaserve.engine.sampling import SamplingRow, sample_rows
 from deltaserve.engine.spec_protocol import load_spec_runtime
 from deltaserve.model.mlp import moe_graph_safe
@@ -44,6 +47,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token (params.logprobs set)
 
 
 def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -154,6 +158,8 @@ class LLMEngine:
         self._reqs: dict[int, Req] = {}
         self.num_steps = 0
         self.generated_tokens = 0
+        self._grammar: GrammarBackend | None = None  # built by the first structured request
+        self.forks = ForkGroups(self._queue)
 
     def _build_caches(self) -> None:
         cfg, mc = self.cfg, self.model.config
@@ -199,38 +205,64 @@ class LLMEngine:
         """Queue a request; raises ValueError for bad parameters (stop token ids outside the
         vocabulary too) or a prompt that is empty, has ids outside the vocabulary, or leaves
         no room to generate within the context."""
-        params.validate()
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model.config.vocab_size
-        # bool is an int subclass: [True, False] is a mistake, not the ids [1, 0]
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab
-               for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens but the context length is "
-                f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit")
+        req = self._new_req(prompt_ids, params, rid)
+        self._queue(req)
+        return req.rid
+
+    def add_forks(self, prompt_ids: list[int], params: list[SamplingParams],
+                  rids: list[int] | None = None) -> list[int]:
+        """Queue len(params) choices of one prompt, prefilled once (engine/forks.py); returns
+        their rids. Raises ValueError as add_request, before any choice is queued."""
+        choices = [self._new_req(prompt_ids, p, None if rids is None else rids[i])
+                   for i, p in enumerate(params)]
+        if len({r.rid for r in choices}) != len(choices):
+            raise ValueError("the choices' request ids must differ")
+        for req in choices:
+            self.scheduler.check_fits(req)
+        if len(choices) > 1 and self.cfg.enable_prefix_cache \
+                and len(prompt_ids) > self.prefix_cache.snapshot_step:
+            parent = self._new_req(prompt_ids, parent_params(), self.forks.new_parent_rid())
+            self.forks.hold(parent.rid, choices)
+            self._queue(parent)
+        else:
+            for req in choices:
+                self._queue(req)
+        return [r.rid for r in choices]
+
+    def _new_req(self, prompt_ids: list[int], params: SamplingParams, rid: int | None) -> Req:
         rid = next(self._rids) if rid is None else rid
-        if rid in self._reqs:
+        if rid in self._reqs or self.forks.is_held(rid):
             raise ValueError(f"request id {rid} is already in use")
-        max_len = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
-        req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, max_len=max_len,
-                  arrival_time=time.monotonic())
-        if params.seed is not None:
-            req.generator = torch.Generator().manual_seed(params.seed)
-        req.detok = IncrementalDetokenizer(self.tokenizer, list(params.stop))
+        return new_req(prompt_ids, params, rid, self.model.config.vocab_size,
+                       self.max_model_len, self.tokenizer, lambda: self.grammar)
+
+    def _queue(self, req: Req) -> None:
         self.scheduler.add(req)
-        self._reqs[rid] = req
-        return rid
+        self._reqs[req.rid] = req
 
     def abort(self, rid: int) -> bool:
-        """Abort `rid` (waiting or running) and free its pages and slots."""
+        """Abort `rid` (waiting, running or held for its fork parent) and free its pages and
+        slots (the parent's too once none of its choices is left)."""
+        if self.forks.is_held(rid):
+            parent = self.forks.drop(rid)
+            if parent is not None:
+                self.abort(parent)
+            return True
         req = self.scheduler.abort(rid)
         self._reqs.pop(rid, None)
         return req is not None
+
+    @property
+    def grammar(self) -> GrammarBackend:
+        """The structured-output backend (built on first use: xgrammar reads the vocabulary).
+        Raises ValueError when the model has no tokenizer."""
+        if self._grammar is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer; this model "
+                                 "has none")
+            self._grammar = GrammarBackend(self.tokenizer, self.model.config.vocab_size,
+                                           self.eos_ids)
+        return self._grammar
 
     @property
     def max_request_len(self) -> int:
@@ -281,15 +313,20 @@ class LLMEngine:
             out = self.runner.forward(batch, keep_hidden)
         if spec is not None:
             spec.on_forward(batch, out.hidden)
+        constrained = [r for r in batch.reqs if r.grammar is not None]
+        greedy = out.greedy  # the graph's argmax: of the logits before any grammar mask
+        if constrained:  # after the forward (a graph's output buffer), before sampling
+            self._grammar.mask(batch, out.logits, out.owners)
+            greedy = None
         before = {r.rid: len(r.output_ids) for r in batch.reqs}
         if batch.phase is Phase.VERIFY:
-            sampled = spec.accept(batch, out.logits, out.greedy)
+            sampled = spec.accept(batch, out.logits, greedy)
             self.scheduler.process(batch, sampled,
                                    commit_rows=lambda counts: self._commit_verify(batch, counts))
         else:
             rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator)
                     for r in out.owners]
-            tokens = sample_rows(out.logits, rows, out.greedy) if rows else []
+            tokens = sample_rows(out.logits, rows, greedy) if rows else []
             sampled = {}
             for req, tok in zip(out.owners, tokens):
                 sampled.setdefault(req.rid, []).append(tok)
@@ -300,8 +337,12 @@ class LLMEngine:
         self._log_step(batch)
         outputs = []
         now = time.monotonic()
+        new_by_rid = {r.rid: r.output_ids[before[r.rid]:] for r in batch.reqs}
+        logprobs = step_logprobs(out.logits, out.owners, new_by_rid)
+        for req in constrained:
+            GrammarBackend.advance(req, new_by_rid[req.rid])
         for req in batch.reqs:
-            new_ids = req.output_ids[before[req.rid]:]
+            new_ids = new_by_rid[req.rid]
             if not new_ids and not req.finished:
                 continue
             if new_ids and req.first_token_time is None:
@@ -313,10 +354,10 @@ class LLMEngine:
                 finished=req.finished,
                 finish_reason=req.finish_reason.value if req.finish_reason else None,
                 prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
-                cached_tokens=req.cached_len))
+                cached_tokens=req.cached_len, new_logprobs=logprobs.get(req.rid)))
             if req.finished:
                 self._reqs.pop(req.rid, None)
-        return outputs
+        return self.forks.on_outputs(outputs)
 
     def _commit_verify(self, batch, counts: list[int]) -> None:
         self.runner.commit_verify(counts)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from deltaserve.core import SamplingParams
+    from deltaserve.engine.grammar import GrammarSpec
     from deltaserve.engine.llm_engine import LLMEngine, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class AsyncEngine:
         self._stopping = False  # guarded by _cond
         self.failure: str | None = None  # why the loop stopped on its own (set once)
         self._rids = itertools.count(1)
+        self._grammar_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
         self._thread.start()
 
@@ -114,6 +116,34 @@ class AsyncEngine:
 
         await self._submit(add)
         return stream
+
+    async def add_forks(self, prompt_ids: list[int],
+                        params: list[SamplingParams]) -> list[RequestStream]:
+        """Add len(params) choices of one prompt, prefilled once (LLMEngine.add_forks); returns
+        their streams in order once the engine accepted all of them. Raises as `add`; on an
+        error none of them was queued."""
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(next(self._rids), self, loop) for _ in params]
+
+        def add() -> None:
+            self.engine.add_forks(list(prompt_ids), list(params), [s.rid for s in streams])
+            with self._cond:
+                self._streams.update({s.rid: s for s in streams})
+
+        await self._submit(add)
+        return streams
+
+    async def prepare_grammar(self, spec: GrammarSpec) -> None:
+        """Compile `spec` off the loop thread, so that the engine's own compile when the
+        request is added is a hit in xgrammar's cache and no stream stalls on it (the first
+        call also builds the backend, which reads the whole vocabulary). Raises ValueError
+        for a grammar that cannot be compiled."""
+        def compile_once() -> None:
+            with self._grammar_lock:  # one thread builds the backend
+                backend = self.engine.grammar
+            backend.matcher(spec)
+
+        await asyncio.to_thread(compile_once)
 
     async def generate(self, prompt_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:

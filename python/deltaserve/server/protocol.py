@@ -1,31 +1,30 @@
-"""OpenAI wire format: request, response and streaming-chunk models, and the error object.
+"""OpenAI wire format: request models and the error object (responses: responses.py).
 
 Requests accept the OpenAI fields plus the vLLM sampling extensions (top_k, min_p,
-repetition_penalty, stop_token_ids, ignore_eos). Fields the engine cannot honour (n > 1,
-logprobs, echo, best_of, suffix, tools, non-text content, and vLLM's other extensions that
-would change the output: `VLLM_UNSUPPORTED`) are rejected with `InvalidRequest`, never
-silently ignored. Other unknown fields are ignored, as vLLM does.
+repetition_penalty, stop_token_ids, ignore_eos, guided_json, guided_regex). Fields the engine
+cannot honour (echo, suffix, non-text content, tool_choice "required" or a named
+function, and vLLM's other extensions that would change the output: `VLLM_UNSUPPORTED`) are
+rejected with `InvalidRequest`, never silently ignored. Other unknown fields are ignored, as
+vLLM does.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     StrictBool,
     StrictFloat,
     StrictInt,
-    model_serializer,
 )
 
-from deltaserve.core import SamplingParams
+from deltaserve.core import MAX_LOGPROBS, SamplingParams
 from deltaserve.server.limits import MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_TOKEN_IDS
+from deltaserve.server.responses import _now
+from deltaserve.server.tool_requests import check_tools, history_calls
 
 
 class InvalidRequest(Exception):
@@ -63,12 +62,13 @@ class StreamOptions(BaseModel):
 # (null, false, 0, empty) they would change the output, so they are a 400, not ignored.
 VLLM_UNSUPPORTED = ("min_tokens", "use_beam_search", "include_stop_str_in_output",
                     "allowed_token_ids", "bad_words", "prompt_logprobs", "truncate_prompt_tokens",
-                    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                    "guided_choice", "guided_grammar",
                     "structured_outputs", "logits_processors")
 # and on chat (vLLM's chat extensions): the prompt as rendered here would differ from theirs
 VLLM_CHAT_UNSUPPORTED = ("echo", "chat_template", "continue_final_message")
-# OpenAI's tool fields besides `tools`: deltaserve has no tools, so only "none" asks for nothing
-TOOL_FIELDS = ("tool_choice", "functions", "function_call")
+# OpenAI's legacy function-calling fields (before `tools`)
+TOOL_FIELDS = ("functions", "function_call")
+MAX_N = 128  # OpenAI's bound on n
 UNSET = (None, False, 0, "", [], {})  # an extension at its default: changes nothing
 
 
@@ -113,15 +113,22 @@ class _GenerationRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Raise InvalidRequest for fields the engine cannot honour."""
-        if self.n not in (None, 1):
-            raise InvalidRequest(f"n={self.n} is not supported: deltaserve returns exactly one "
-                                 "choice per request (n must be 1)", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise InvalidRequest(f"n must be in [1, {MAX_N}]", "n")
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported by deltaserve", "logit_bias")
         refuse_set_extras(self.model_extra or {}, VLLM_UNSUPPORTED)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true",
                                  "stream_options")
+
+    def logprob_count(self) -> int | None:
+        """SamplingParams.logprobs: None (off) or how many top tokens to return per token."""
+        return None
+
+    def num_samples(self) -> int:
+        """Choices to generate: n, or best_of (completions) to return the n best of."""
+        return self.n or 1
 
     def stop_list(self) -> list[str]:
         """`stop` as a list (OpenAI takes one string or a list)."""
@@ -162,14 +169,25 @@ class CompletionRequest(_GenerationRequest):
     best_of: StrictInt | None = None
     suffix: str | None = None
 
+    def logprob_count(self) -> int | None:
+        if self.logprobs is None and self.num_samples() > (self.n or 1):
+            return 0  # best_of ranks the samples by their summed logprobs
+        return self.logprobs
+
+    def num_samples(self) -> int:
+        return self.best_of or self.n or 1
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None:
-            raise InvalidRequest("logprobs is not supported by deltaserve", "logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
         if self.echo:
             raise InvalidRequest("echo is not supported by deltaserve", "echo")
-        if self.best_of not in (None, 1):
-            raise InvalidRequest("best_of is not supported: it must be 1", "best_of")
+        if self.best_of is not None and not (self.n or 1) <= self.best_of <= MAX_N:
+            raise InvalidRequest(f"best_of must be in [n, {MAX_N}]", "best_of")
+        if self.best_of not in (None, self.n or 1) and self.stream:
+            raise InvalidRequest("best_of > n cannot be streamed (as in OpenAI's API)",
+                                 "best_of")
         if self.suffix:
             raise InvalidRequest("suffix is not supported by deltaserve", "suffix")
         if isinstance(self.prompt, list) and (not self.prompt or self.prompt[0] == []):
@@ -193,9 +211,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    # declared so that check_supported can refuse them: ignored, the model would see an empty
-    # assistant turn, then a tool result from nowhere
-    tool_calls: list[Any] | None = None
+    tool_calls: list[Any] | None = None  # an assistant turn's calls (checked in check_supported)
+    tool_call_id: str | None = None  # a tool message: the call it answers
     function_call: Any | None = None
 
     def text(self, index: int) -> str:
@@ -233,6 +250,7 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none" or "auto" (see tool_requests)
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
@@ -240,21 +258,21 @@ class ChatCompletionRequest(_GenerationRequest):
         super().check_supported()
         if not self.messages:
             raise InvalidRequest("messages must contain at least one message", "messages")
-        if self.logprobs or self.top_logprobs:
-            param = "logprobs" if self.logprobs else "top_logprobs"
-            raise InvalidRequest("logprobs are not supported by deltaserve", param)
-        if self.tools:
-            raise InvalidRequest("tools are not supported by deltaserve", "tools")
+        if self.top_logprobs is not None and not (
+                self.logprobs and 0 <= self.top_logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}] and needs "
+                                 "logprobs: true", "top_logprobs")
         extra = self.model_extra or {}
-        refuse_set_extras(extra, TOOL_FIELDS, " (no tools)", unset=(None, "none", [], {}))
+        refuse_set_extras(extra, TOOL_FIELDS, " (use tools and tool_choice)")
+        check_tools(self)
         for i, m in enumerate(self.messages):
-            for name in ("tool_calls", "function_call"):  # the history's own tool fields
-                if getattr(m, name):
-                    raise InvalidRequest(f"{name} in chat history is not supported by "
-                                         "deltaserve (no tools)", f"messages.{i}.{name}")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequest("only response_format type 'text' is supported",
-                                 "response_format")
+            if m.function_call:
+                raise InvalidRequest("function_call in chat history is not supported by "
+                                     "deltaserve (use tool_calls)", f"messages.{i}.function_call")
+        if (self.response_format or {}).get("type", "text") not in (
+                "text", "json_object", "json_schema"):
+            raise InvalidRequest("response_format type must be text, json_object or "
+                                 "json_schema", "response_format")
         refuse_set_extras(extra, VLLM_CHAT_UNSUPPORTED)
         if extra.get("add_generation_prompt", True) is not True:
             raise InvalidRequest("add_generation_prompt must be true: deltaserve always ends "
@@ -266,112 +284,32 @@ class ChatCompletionRequest(_GenerationRequest):
                                  "argument of the template call itself, not a template variable",
                                  "chat_template_kwargs")
 
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def max_tokens_param(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template expects them (developer is sent as system)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-                for i, m in enumerate(self.messages)]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template expects them (developer is sent as system; an
+        assistant turn's tool calls with their arguments decoded, as the Qwen templates read
+        them; a tool message with its tool_call_id)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                   "content": m.text(i)}
+            if m.tool_calls:
+                msg["tool_calls"] = history_calls(m.tool_calls, i)
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Responses
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    """Token counts; `prompt_tokens_details.cached_tokens` = prompt tokens from the prefix cache."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-    @classmethod
-    def of(cls, prompt: int, completion: int, cached: int) -> Usage:
-        return cls(prompt_tokens=prompt, completion_tokens=completion,
-                   total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaMessage(BaseModel):
-    """A streamed message delta; unset fields are left out, as OpenAI sends them."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One SSE event of a streamed chat completion (the usage chunk has no choices)."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):

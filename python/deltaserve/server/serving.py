@@ -8,29 +8,26 @@ import functools
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from deltaserve.config import valid_seed
+from deltaserve.core import SamplingParams
 from deltaserve.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from deltaserve.server.limits import chars_per_token_bound
 from deltaserve.server.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
     InvalidRequest,
-    Usage,
     _GenerationRequest,
-    new_id,
 )
+from deltaserve.server.render import ChatRenderer, Choice, CompletionRenderer, usage
+from deltaserve.server.responses import ChatCompletionChunk, CompletionResponse, new_id
+from deltaserve.server.structured import grammar_spec
+from deltaserve.server.tool_requests import parses_tool_calls
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -47,11 +44,12 @@ def sse(payload: BaseModel | dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-async def _until_disconnect(request: Request, stream: RequestStream) -> None:
-    """Abort `stream` when the client goes away (the body has been read already)."""
+async def _until_disconnect(request: Request, streams: list[RequestStream]) -> None:
+    """Abort `streams` when the client goes away (the body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    stream.abort()
+    for stream in streams:
+        stream.abort()
 
 
 class OpenAIServing:
@@ -126,7 +124,7 @@ class OpenAIServing:
             self._check_encodable(str(m.get("content") or ""), "messages")
         try:
             text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True,
+                messages, tools=body.tools or None, tokenize=False, add_generation_prompt=True,
                 **(body.chat_template_kwargs or {}))
         except Exception as e:  # jinja raises TemplateError for conversations it refuses
             raise InvalidRequest(f"the chat template rejected the messages: {e}",
@@ -160,38 +158,68 @@ class OpenAIServing:
                 f"reduce {param} to at most {room}", param, code="context_length_exceeded")
         return body.to_sampling_params(max_tokens)
 
-    async def _start(self, rid: str, body: _GenerationRequest, prompt_ids: list[int],
-                     prompt_param: str, default_max_tokens: int | None) -> RequestStream:
+    def _params(self, body: _GenerationRequest, prompt_ids: list[int], prompt_param: str,
+                default_max_tokens: int | None) -> tuple[list[SamplingParams], str | None]:
+        """One SamplingParams per choice (choice i samples with seed + i when a seed is given,
+        so choice i equals a single request with that seed) and the field that set the
+        grammar (None without one)."""
         params = self.sampling_params(body, prompt_ids, prompt_param, default_max_tokens)
+        params.logprobs = body.logprob_count()
+        params.structured, spec_param = grammar_spec(body)
+        n = body.num_samples()
+        out = [params] + [replace(params, seed=None if params.seed is None else params.seed + i)
+                          for i in range(1, n)]
+        for p in out[1:]:
+            if p.seed is not None and not valid_seed(p.seed):
+                raise InvalidRequest("seed + n - 1 must stay in [-2**63, 2**64) (choice i "
+                                     "samples with seed + i)", "seed")
+        return out, spec_param
+
+    async def _start(self, rid: str, body: _GenerationRequest, prompt_ids: list[int],
+                     prompt_param: str, default_max_tokens: int | None) -> list[RequestStream]:
+        params, spec_param = self._params(body, prompt_ids, prompt_param, default_max_tokens)
         try:
-            stream = await self.engine.add(prompt_ids, params)
-            logger.info("%s: %d prompt tokens, max_tokens %d, temperature %g%s (engine rid %d)",
-                        rid, len(prompt_ids), params.max_tokens, params.temperature,
-                        ", streaming" if body.stream else "", stream.rid)
-            return stream
+            if params[0].structured is not None:
+                await self.engine.prepare_grammar(params[0].structured)
+            if len(params) == 1:
+                streams = [await self.engine.add(prompt_ids, params[0])]
+            else:
+                streams = await self.engine.add_forks(prompt_ids, params)
+            p = params[0]
+            logger.info("%s: %d prompt tokens, n %d, max_tokens %d, temperature %g%s (engine "
+                        "rids %s)", rid, len(prompt_ids), len(params), p.max_tokens,
+                        p.temperature, ", streaming" if body.stream else "",
+                        [s.rid for s in streams])
+            return streams
         except ValueError as e:  # the engine's own checks (vocabulary, context, params)
             message = str(e)
             param = message.split(" ", 1)[0]
-            if param not in type(body).model_fields:
+            if message.startswith("structured output"):
+                param = spec_param
+            elif param not in type(body).model_fields:
                 param = prompt_param
             raise InvalidRequest(message, param) from e
 
     # -- endpoints ---------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request):
+        renderer = CompletionRenderer(self.engine.tokenizer, self.engine.model_name,
+                                      body.logprobs is not None, _token_ids(body))
         return await self._serve(body, request, "completions", "cmpl", self.completion_prompt,
-                                 "prompt", 16, self._completion_chunks,
-                                 self._completion_response)
+                                 "prompt", 16, renderer)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
+        renderer = ChatRenderer(self.engine.tokenizer, self.engine.model_name,
+                                bool(body.logprobs), _token_ids(body),
+                                body.tools if parses_tool_calls(body) else None)
         return await self._serve(body, request, "chat", "chatcmpl", self.chat_prompt,
-                                 "messages", None, self._chat_chunks, self._chat_response)
+                                 "messages", None, renderer)
 
     async def _serve(self, body: _GenerationRequest, request: Request, endpoint: str,
                      id_prefix: str, prompt, prompt_param: str, default_max_tokens: int | None,
-                     chunks, respond):
-        """Check, tokenize, start; then an SSE stream of `chunks(rid, out, first)`, or the
-        collected text turned into a response by `respond(rid, text, last)`. Raises
+                     renderer):
+        """Check, tokenize, start the n choices; then an SSE stream of the renderer's chunks,
+        or the collected choices turned into a response by the renderer. Raises
         InvalidRequest (400/404) before anything runs, ClientGone when the client leaves."""
         body.check_supported()
         self.check_model(body.model)
@@ -200,59 +228,51 @@ class OpenAIServing:
         rid = new_id(id_prefix)
         # tokenizing a long prompt must not stall the event loop (other clients, /health)
         ids = await asyncio.to_thread(prompt, body)
-        stream = await self._start(rid, body, ids, prompt_param, default_max_tokens)
+        streams = await self._start(rid, body, ids, prompt_param, default_max_tokens)
         if body.stream:
-            return self._streaming(rid, endpoint, body, stream, chunks)
-        text, last = await self._collect(rid, endpoint, stream, request)
-        self._finished(rid, endpoint, last)
-        return respond(rid, text, last)
-
-    def _completion_response(self, rid: str, text: str, last: RequestOutput) -> CompletionResponse:
-        return CompletionResponse(
-            id=rid, model=self.engine.model_name,
-            choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
-            usage=_usage(last))
-
-    def _chat_response(self, rid: str, text: str, last: RequestOutput) -> ChatCompletionResponse:
-        return ChatCompletionResponse(
-            id=rid, model=self.engine.model_name,
-            choices=[ChatChoice(message=AssistantMessage(content=text),
-                                finish_reason=last.finish_reason)],
-            usage=_usage(last))
+            return self._streaming(rid, endpoint, body, streams, renderer)
+        choices = await self._collect(rid, endpoint, streams, request, renderer)
+        self._finished(rid, endpoint, choices)
+        return renderer.response(rid, best(choices, body.n or 1), usage(choices))
 
     # -- output --------------------------------------------------------------------------------
 
-    async def _collect(self, rid: str, endpoint: str, stream: RequestStream,
-                       request: Request) -> tuple[str, RequestOutput]:
-        """All of the request's text and its last output; aborts if the client leaves."""
-        watcher = asyncio.create_task(_until_disconnect(request, stream))
+    async def _collect(self, rid: str, endpoint: str, streams: list[RequestStream],
+                       request: Request, renderer) -> list[Choice]:
+        """Every choice's outputs; aborts them all if the client leaves."""
+        choices = [renderer.new_choice(i) for i in range(len(streams))]
+        watchers = [asyncio.create_task(_until_disconnect(request, streams))]
         try:
-            parts, last = [], None
-            async for out in stream:
-                parts.append(out.new_text)
-                last = out
+            async for i, out in _merged(streams):
+                choices[i].add(out)
         finally:
-            watcher.cancel()
-        if last is None or not last.finished:
+            for w in watchers:
+                w.cancel()
+        if any(c.last is None or not c.last.finished for c in choices):
+            for s in streams:
+                s.abort()
             self._aborted(rid, endpoint)
             raise ClientGone()
-        return "".join(parts), last
+        return choices
 
     def _streaming(self, rid: str, endpoint: str, body: _GenerationRequest,
-                   stream: RequestStream, chunks) -> StreamingResponse:
-        """SSE response: `chunks(rid, out, first)` per output, then usage, then [DONE]."""
+                   streams: list[RequestStream], renderer) -> StreamingResponse:
+        """SSE response: the renderer's chunks per output, then usage, then [DONE]."""
         model = self.engine.model_name
         chunk_type = ChatCompletionChunk if endpoint == "chat" else CompletionResponse
+        choices = [renderer.new_choice(i) for i in range(len(streams))]
+
+        def done() -> bool:
+            return all(c.last is not None and c.last.finished for c in choices)
 
         async def events() -> AsyncIterator[str]:
-            last, stopped = None, False
+            stopped = False
             try:
-                async for out in stream:
-                    for chunk in chunks(rid, out, first=last is None):
+                async for i, out in _merged(streams):
+                    for chunk in renderer.chunks(rid, choices[i], out):
                         yield sse(chunk)
-                    last = out
-                if body.include_usage and last is not None:
-                    yield sse(chunk_type(id=rid, model=model, choices=[], usage=_usage(last)))
+                if body.include_usage and done():
+                    yield sse(chunk_type(id=rid, model=model, choices=[], usage=usage(choices)))
             except Exception as e:  # headers are sent: report in-band, then end the stream
                 stopped = isinstance(e, EngineDeadError)  # the server is stopping, not a bug
                 if stopped:
@@ -264,49 +284,79 @@ class OpenAIServing:
                 yield sse({"error": {"message": message, "type": "server_error",
                                      "param": None, "code": None}})
             finally:
-                stream.abort()  # no-op once finished; frees pages/slots if the client left
-                if not stopped and (last is None or not last.finished):
+                for s in streams:  # no-op once finished; frees pages/slots if the client left
+                    s.abort()
+                if not stopped and not done():
                     self._aborted(rid, endpoint)
-            if last is not None and last.finished:
-                self._finished(rid, endpoint, last)
+            if done():
+                self._finished(rid, endpoint, choices)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    def _completion_chunks(self, rid: str, out: RequestOutput,
-                           first: bool) -> list[CompletionResponse]:
-        if not (out.new_text or out.finished):
-            return []
-        return [CompletionResponse(id=rid, model=self.engine.model_name, choices=[
-            CompletionChoice(text=out.new_text, finish_reason=out.finish_reason)])]
-
-    def _chat_chunks(self, rid: str, out: RequestOutput, first: bool) -> list[ChatCompletionChunk]:
-        deltas = []
-        if first:
-            deltas.append((DeltaMessage(role="assistant", content=""), None))
-        if out.new_text:
-            deltas.append((DeltaMessage(content=out.new_text), None))
-        if out.finished:
-            deltas.append((DeltaMessage(), out.finish_reason))
-        return [ChatCompletionChunk(id=rid, model=self.engine.model_name, choices=[
-            ChatChunkChoice(delta=delta, finish_reason=reason)]) for delta, reason in deltas]
-
-    def _finished(self, rid: str, endpoint: str, out: RequestOutput) -> None:
-        self.metrics.observe_finished(endpoint, out)
+    def _finished(self, rid: str, endpoint: str, choices: list[Choice]) -> None:
+        for c in choices:
+            self.metrics.observe_finished(endpoint, c.last)
+        out = choices[0].last
         logger.info("%s %s: %d prompt tokens (%d cached), %d completion tokens, finish %s",
-                    endpoint, rid, out.prompt_tokens, out.cached_tokens, out.completion_tokens,
-                    out.finish_reason)
+                    endpoint, rid, out.prompt_tokens, out.cached_tokens,
+                    sum(c.last.completion_tokens for c in choices),
+                    [c.last.finish_reason for c in choices])
 
     def _aborted(self, rid: str, endpoint: str) -> None:
         self.metrics.requests.labels(endpoint=endpoint, finish_reason="abort").inc()
         logger.info("%s %s: client gone before the request finished; aborted", endpoint, rid)
 
 
+def best(choices: list[Choice], n: int) -> list[Choice]:
+    """The n choices of highest summed logprob (best_of, as vLLM ranks them), re-indexed in
+    that order; all of them, as they are, when there are only n."""
+    if len(choices) == n:
+        return choices
+    ranked = sorted(choices, key=lambda c: -sum(e.logprob for e in c.logprobs))[:n]
+    for i, c in enumerate(ranked):
+        c.index = i
+    return ranked
+
+
+def _token_ids(body: _GenerationRequest) -> bool:
+    """vLLM's `return_tokens_as_token_ids`: logprob tokens as "token_id:N"."""
+    return (body.model_extra or {}).get("return_tokens_as_token_ids") is True
+
+
 class ClientGone(Exception):
     """The client disconnected before its request finished (the request was aborted)."""
 
 
-def _usage(out: RequestOutput) -> Usage:
-    return Usage.of(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from every stream as they come; ends when every stream ended
+    (finished or aborted); a stream's error is raised."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
 
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+            await queue.put((i, None))
+        except Exception as e:
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -1,0 +1,46 @@
+"""Building a checked request: the engine's input checks, its seed and grammar."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from deltaserve.core import Req, SamplingParams
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from deltaserve.engine.grammar import GrammarBackend
+
+
+def new_req(prompt_ids: list[int], params: SamplingParams, rid: int, vocab: int,
+            max_model_len: int, tokenizer, grammar: Callable[[], GrammarBackend]) -> Req:
+    """A checked WAITING request (its generator seeded, its grammar matcher compiled).
+
+    Raises ValueError for bad parameters (stop token ids outside [0, vocab) too) or a prompt
+    that is empty, has ids outside [0, vocab) or leaves no room within `max_model_len`.
+    """
+    params.validate()
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    # bool is an int subclass: [True, False] is a mistake, not the ids [1, 0]
+    if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab
+           for t in prompt_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+    if any(not 0 <= t < vocab for t in params.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
+    if len(prompt_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_ids)} tokens but the context length is "
+            f"{max_model_len}: at most {max_model_len - 1} prompt tokens fit")
+    max_len = min(len(prompt_ids) + params.max_tokens, max_model_len)
+    req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, max_len=max_len,
+              arrival_time=time.monotonic())
+    if params.seed is not None:
+        req.generator = torch.Generator().manual_seed(params.seed)
+    if params.structured is not None:
+        req.grammar = grammar().matcher(params.structured)
+    req.detok = IncrementalDetokenizer(tokenizer, list(params.stop))
+    return req

@@ -1,0 +1,155 @@
+"""logprobs, n > 1 and structured output over real HTTP with the official openai client."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+
+from deltaserve.model.testing import transformers_torch_kernels
+from oracle import reference_model
+
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,7}$"},
+    "temp": {"type": "integer", "minimum": -50, "maximum": 50}},
+    "required": ["city", "temp"], "additionalProperties": False}
+FORK_PROMPT = [(7 * i) % 500 + 3 for i in range(130)]  # 2 snapshots (128 tokens) deep
+
+
+@pytest.fixture
+def oai(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def ids_of(tokens: list[str]) -> list[int]:
+    assert all(t.startswith("token_id:") for t in tokens)
+    return [int(t.split(":")[1]) for t in tokens]
+
+
+@torch.inference_mode()
+def reference(path, prompt: list[int], output: list[int]) -> torch.Tensor:
+    with transformers_torch_kernels():
+        logits = reference_model(str(path))(torch.tensor([prompt + output])).logits[0]
+    return torch.log_softmax(logits.float()[len(prompt) - 1:-1], dim=-1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_are_the_reference_log_softmax(oai, served, tiny_model, stream):
+    prompt = [11, 12, 13, 14, 15]
+    kwargs = dict(model=served.model, prompt=prompt, max_tokens=6, temperature=0.9, seed=3,
+                  logprobs=3, extra_body={"ignore_eos": True,
+                                          "return_tokens_as_token_ids": True})
+    if stream:
+        chunks = [c for c in oai.completions.create(stream=True, **kwargs) if c.choices]
+        lps = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+        tokens = [t for lp in lps for t in lp.tokens]
+        values = [v for lp in lps for v in lp.token_logprobs]
+        tops = [t for lp in lps for t in lp.top_logprobs]
+    else:
+        lp = oai.completions.create(**kwargs).choices[0].logprobs
+        tokens, values, tops = lp.tokens, lp.token_logprobs, lp.top_logprobs
+    out = ids_of(tokens)
+    assert len(out) == 6
+    ref = reference(tiny_model, prompt, out)
+    for j, tok in enumerate(out):
+        assert abs(values[j] - float(ref[j, tok])) < 2e-5  # see tests/engine/test_logprobs.py
+        top = torch.topk(ref[j], 3)
+        assert ids_of(list(tops[j])) == top.indices.tolist()
+
+
+def test_chat_logprobs_have_the_openai_shape_streamed_and_not(oai, served):
+    kwargs = dict(model=served.model, messages=[{"role": "user", "content": "Hi"}],
+                  max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                  extra_body={"ignore_eos": True})
+    full = oai.chat.completions.create(**kwargs).choices[0]
+    content = full.logprobs.content
+    assert len(content) == 4 and all(len(e.top_logprobs) == 2 for e in content)
+    # greedy: each token is its row's most likely one
+    assert all(e.token == e.top_logprobs[0].token and e.logprob <= 0 for e in content)
+    assert "".join(e.token for e in content) == full.message.content
+    streamed = [e for c in oai.chat.completions.create(stream=True, **kwargs) if c.choices
+                and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def cache_status(served) -> dict:
+    return httpx.get(served.base_url + "/v1/cache/status").json()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_3_choices_equal_single_requests_with_seed_plus_i_and_prefill_once(
+        oai, served, stream):
+    httpx.post(served.base_url + "/v1/cache/flush")
+    kwargs = dict(model=served.model, prompt=FORK_PROMPT, max_tokens=6, temperature=1.0,
+                  extra_body={"ignore_eos": True})
+    before = cache_status(served)
+    if stream:
+        texts = ["", "", ""]
+        for c in oai.completions.create(n=3, seed=40, stream=True, **kwargs):
+            for ch in c.choices:
+                texts[ch.index] += ch.text
+    else:
+        out = oai.completions.create(n=3, seed=40, **kwargs)
+        assert [c.index for c in out.choices] == [0, 1, 2]
+        assert out.usage.prompt_tokens == len(FORK_PROMPT)
+        assert out.usage.completion_tokens == 18
+        texts = [c.text for c in out.choices]
+    after = cache_status(served)
+    # one prefill of the prompt (the hidden parent); the 3 choices resume 128 tokens deep
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 4 * len(FORK_PROMPT)
+    assert after["hit_tokens"] - before["hit_tokens"] == 3 * 128
+    httpx.post(served.base_url + "/v1/cache/flush")
+    singles = [oai.completions.create(seed=40 + i, **kwargs).choices[0].text for i in range(3)]
+    assert texts == singles
+    assert len(set(singles)) == 3
+
+
+def test_fifty_json_schema_outputs_all_validate(oai, served):
+    out = oai.chat.completions.create(
+        model=served.model, messages=[{"role": "user", "content": "Weather?"}], n=50, seed=0,
+        max_tokens=80, temperature=1.0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "weather", "schema": SCHEMA}})
+    assert len(out.choices) == 50
+    for c in out.choices:
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+
+
+def test_json_object_and_bad_schemas(oai, served):
+    out = oai.chat.completions.create(
+        model=served.model, messages=[{"role": "user", "content": "x"}], max_tokens=120,
+        temperature=0.5, seed=1, response_format={"type": "json_object"})
+    text = out.choices[0].message.content
+    assert text.startswith("{")
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(
+            model=served.model, messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    assert e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=served.model, prompt="x",
+                               extra_body={"guided_regex": "(unclosed"})
+    assert e.value.body["param"] == "guided_regex"
+
+
+def test_best_of_returns_the_sample_of_highest_summed_logprob(oai, served):
+    kwargs = dict(model=served.model, prompt=[21, 22, 23], max_tokens=5, temperature=1.0,
+                  extra_body={"ignore_eos": True})
+    out = oai.completions.create(n=1, best_of=3, seed=60, **kwargs)
+    assert len(out.choices) == 1 and out.choices[0].logprobs is None
+    assert out.usage.completion_tokens == 15  # every sample counts
+    singles = [oai.completions.create(seed=60 + i, logprobs=0, **kwargs).choices[0]
+               for i in range(3)]
+    top = max(singles, key=lambda c: sum(c.logprobs.token_logprobs))
+    assert out.choices[0].text == top.text
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(n=2, best_of=1, **kwargs)
+    assert e.value.body["param"] == "best_of"
