@@ -27,6 +27,7 @@ from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.requests import new_req
 from deltaserve.engine.sampling import SamplingRow, sample_rows
 from deltaserve.engine.spec_protocol import load_spec_runtime
+from deltaserve.engine.status import cache_status, engine_metrics, log_step
 from deltaserve.model.mlp import moe_graph_safe
 from deltaserve.ops._ext import KERNEL_HEAD_DIMS
 from deltaserve.scheduler.scheduler import Scheduler
@@ -377,68 +378,13 @@ class LLMEngine:
         return self.spec_committed / self.spec_steps if self.spec_steps else None
 
     def _log_step(self, batch) -> None:
-        every = self.cfg.log_every
-        if not every or self.num_steps % every:
-            return
-        new = batch.num_tokens
-        cached = sum(r.cached_len for r in batch.reqs) if batch.phase is Phase.PREFILL else 0
-        pool, host = self.page_pool, self.prefix_cache.host_usage()
-        logger.info(
-            "step %d %s batch: #req %d, k %d, #new-token %d, #cached-token %d, pages %d/%d "
-            "used, #slots %d/%d used on device, #host-slots %d/%d used, #fork-snapshots %d, "
-            "running %d, waiting %d",
-            self.num_steps, batch.phase.value, batch.size,
-            batch.rows_per_req - 1 if batch.phase is not Phase.PREFILL else 0, new, cached,
-            pool.num_pages - 1 - pool.num_free, pool.num_pages - 1,
-            self.state_pool.num_slots - 1 - self.state_pool.num_free,
-            self.state_pool.num_slots - 1, host.n_used, host.n_slots,
-            self.scheduler.snaps.n_forks, len(self.scheduler.running),
-            len(self.scheduler.waiting))
+        log_step(self, batch)
 
     # ---- introspection ------------------------------------------------------------------
     def cache_status(self) -> dict:
-        """Pools and prefix cache now: pages, device slots, host-bank slots and bytes (all 0
-        without a bank), snapshots taken at prefill chunk ends and at forks from a cached
-        path, queue lengths, hit tokens."""
-        pool, sp = self.page_pool, self.state_pool
-        stats, host = self.prefix_cache.stats(), self.prefix_cache.host_usage()
-        snaps = self.scheduler.snaps
-        return {
-            "page_size": self.cfg.page_size,
-            "pages_total": pool.num_pages - 1,
-            "pages_free": pool.num_free,
-            "pages_cached": stats.n_pages,
-            "pages_reserved": self.scheduler.reserved_pages(),  # promised to running requests
-            "slots_total": sp.num_slots - 1,
-            "slots_free": sp.num_free,
-            "slots_snapshot": stats.n_snapshots,
-            "slot_bytes": sp.bytes_per_slot,
-            "host_slots_total": host.n_slots,
-            "host_slots_used": host.n_used,
-            "host_slots_snapshot": stats.n_host_snapshots,
-            "host_bytes_total": host.bytes_total,
-            "host_bytes_used": host.bytes_used,
-            "chunk_snapshots_taken": snaps.n_taken,
-            "chunk_snapshots_skipped": snaps.n_skipped,
-            "chunk_snapshots_to_host": snaps.n_to_host,
-            "fork_snapshots_taken": snaps.n_forks,  # where a prompt left a cached path
-            "fork_snapshots_skipped": snaps.n_forks_skipped,  # no slot on either tier
-            "running_requests": len(self.scheduler.running),
-            "waiting_requests": len(self.scheduler.waiting),
-            "hit_tokens": self.scheduler.hit_tokens,
-            "prompt_tokens": self.scheduler.prompt_tokens,
-        }
+        """Pools and prefix cache now (engine/status.py names every field)."""
+        return cache_status(self)
 
     def metrics(self) -> dict[str, float]:
-        status = self.cache_status()
-        return {
-            "num_steps": float(self.num_steps),
-            "generated_tokens": float(self.generated_tokens),
-            "prompt_tokens": float(status["prompt_tokens"]),
-            "cached_tokens": float(status["hit_tokens"]),
-            "running_requests": float(status["running_requests"]),
-            "waiting_requests": float(status["waiting_requests"]),
-            "pages_used": float(status["pages_total"] - status["pages_free"]),
-            "slots_used": float(status["slots_total"] - status["slots_free"]),
-            "host_slots_used": float(status["host_slots_used"]),
-        }
+        """The Prometheus gauges and counters (engine/status.py)."""
+        return engine_metrics(self)
