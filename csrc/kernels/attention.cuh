@@ -97,7 +97,7 @@ using Word16 = uint4;
 DS_DEVICE Word16 load16(const void* p) { return *static_cast<const uint4*>(p); }
 DS_DEVICE void store16(void* p, const Word16& w) { *static_cast<uint4*>(p) = w; }
 
-// T a 16-bit float type (bf16 / f16); D 128 or 256; RPW q rows per warp (1, 2 or 4): warp w
+// T a 16-bit float type (bf16 / f16); D 64, 128 or 256; RPW q rows per warp (1, 2 or 4): warp w
 // owns block rows w, w + kWarps, ... (row qr = local head * R + r).
 // Score phase: lane l scores position t0 + l against each of its warp's rows (K rows in shared
 // memory padded by 16 bytes, so the 8 lanes of one 16-byte access phase hit distinct banks).
@@ -111,7 +111,8 @@ __global__ void __launch_bounds__(kThreads) paged_attn_kernel(const PagedAttnPar
   constexpr int kLoads = kTile * kRowWords / kThreads;  // words per thread per tile, K and V each
   constexpr int kLane = D / kWarp;               // output elements per lane
   static_assert(kLoads * kThreads == kTile * kRowWords, "whole tiles per block");
-  static_assert(kLane * sizeof(T) % 8 == 0, "the value phase loads whole 8-byte words");
+  // D = 64 (the default model) leaves 4 bytes of V a lane: loaded element by element
+  constexpr bool kWordLane = kLane * sizeof(T) % 8 == 0;
   __shared__ __align__(16) T q_s[kWarps * RPW][D];
   __shared__ __align__(16) T k_s[kTile][D + kChunk];
   __shared__ __align__(16) T v_s[kTile][D];
@@ -217,7 +218,12 @@ __global__ void __launch_bounds__(kThreads) paged_attn_kernel(const PagedAttnPar
     const int t_n = min(kTile, t_end - t0);
     for (int t = 0; t < t_n; ++t) {
       float vf[kLane];
-      load_vec<T, kLane>(&v_s[t][lane * kLane], vf);
+      if constexpr (kWordLane) {
+        load_vec<T, kLane>(&v_s[t][lane * kLane], vf);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kLane; ++e) vf[e] = to_float(v_s[t][lane * kLane + e]);
+      }
 #pragma unroll
       for (int j = 0; j < RPW; ++j) {
         const float pj = p_s[warp + kWarps * j][t];
@@ -237,7 +243,13 @@ __global__ void __launch_bounds__(kThreads) paged_attn_kernel(const PagedAttnPar
 #pragma unroll
     for (int e = 0; e < kLane; ++e) o[e] = fmul(acc[j][e], inv);
     if (plan.count == 1) {
-      store_vec<T, kLane>(static_cast<T*>(p.out) + row * D + lane * kLane, o);
+      T* out = static_cast<T*>(p.out) + row * D + lane * kLane;
+      if constexpr (kWordLane) {
+        store_vec<T, kLane>(out, o);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kLane; ++e) out[e] = from_float<T>(o[e]);
+      }
     } else {
       const int64_t part = row * p.max_splits + split;
       store_vec<float, kLane>(p.part_o + part * D + lane * kLane, o);
@@ -333,11 +345,12 @@ inline ds_error_t launch_paged_attention_d(const PagedAttnParams& p, ds_stream_t
 }
 
 // The attention of every row, then (max_splits > 1) the merge. p.heads_per_block and
-// p.max_splits come from heads_per_block / max_splits_for; D is 128 or 256.
+// p.max_splits come from heads_per_block / max_splits_for; D is 64, 128 or 256.
 template <typename T>
 inline ds_error_t launch_paged_attention(const PagedAttnParams& p, ds_stream_t stream) {
   if (p.heads_per_block * p.R > kMaxBlockRows || p.heads_per_block < 1 || p.max_splits < 1)
     return DS_ERROR_INVALID_VALUE;
+  if (p.D == 64) return launch_paged_attention_d<T, 64>(p, stream);
   if (p.D == 128) return launch_paged_attention_d<T, 128>(p, stream);
   if (p.D == 256) return launch_paged_attention_d<T, 256>(p, stream);
   return DS_ERROR_INVALID_VALUE;

@@ -43,7 +43,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   check_pages(q, k_cache, v_cache, page_table, kv_lens, q.size(0));
   check_dense(q, "q");
   const int64_t Hq = q.size(2), Hkv = k_cache.size(2), D = q.size(3);
-  TORCH_CHECK(D == 128 || D == 256, "deltaserve: paged attention head dim must be 128 or 256");
+  TORCH_CHECK(D == 64 || D == 128 || D == 256,
+              "deltaserve: paged attention head dim must be 64, 128 or 256");
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "deltaserve: Hq must be a multiple of Hkv");
   TORCH_CHECK(q.size(1) >= 1 && q.size(1) <= ds::attn::kMaxBlockRows,
               "deltaserve: paged attention takes 1..16 rows per request");

@@ -1,6 +1,6 @@
 """The paged attention and KV append kernels' own code on the CPU (kernels_emu.py) against the
 pure-torch references: one and several splits per request (the merge), split edges inside a
-page and on page boundaries +-1, causal verify rows, GQA 1/4/8, D 128/256, heads split over
+page and on page boundaries +-1, causal verify rows, GQA 1/4/8, D 64/128/256, heads split over
 blocks (8 heads x 4 rows), padding requests on page 0. bf16 inputs; fp32 accumulation on both
 sides, so the outputs agree to a few bf16 ulps."""
 
@@ -31,6 +31,8 @@ CASES = [  # lens (0: padding), rows, hq, hkv, d, page_size
     ([31, 32, 64, 65], 1, 2, 2, 128, 1),
     ([97, 4], 4, 8, 1, 256, 7),
     ([129, 0], 4, 16, 2, 128, 128),
+    ([70, 0, 5], 1, 4, 2, 64, 16),  # the default model's attention (D 64: per-element V)
+    ([40, 9], 4, 4, 2, 64, 16),
 ]
 
 

@@ -1,5 +1,5 @@
 """CUDA paged attention and KV append against the pure-torch references: page sizes 1, 16,
-64, 128; context lengths 1 .. 40k with page boundaries +-1; GQA 1/4/8; head dims 128/256;
+64, 128; context lengths 1 .. 40k with page boundaries +-1; GQA 1/4/8; head dims 64/128/256;
 decode (R = 1) and verify (R = 4); padding requests (page 0, kv_len = R); eager and inside a
 CUDA graph whose lengths change between replays."""
 
@@ -52,7 +52,7 @@ def test_decode_and_verify_match_the_reference_at_every_length(page_size, rows):
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (16, 2)])  # GQA 1, 4, 8
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gqa_ratios_head_dims_and_dtypes(hq, hkv, d, rows, dtype):

@@ -26,7 +26,7 @@ from deltaserve.ops import _ext
 from deltaserve.ops._ext import vector_rows
 
 KERNEL_KV_DTYPES = (torch.bfloat16, torch.float16)
-KERNEL_ATTN_HEAD_DIMS = (128, 256)
+KERNEL_ATTN_HEAD_DIMS = (64, 128, 256)
 KERNEL_MAX_ROWS = 16  # rows per request the kernel takes (R)
 
 
@@ -62,7 +62,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Attention of R rows per request over its pages; returns o [N, R, Hq, D] (q's dtype).
 
     q [N, R, Hq, D]; k_cache, v_cache [P, page_size, Hkv, D] (q's dtype on the kernel path:
-    bf16/fp16, D 128 or 256, R <= 16; anything else runs the reference); page_table [N, M]
+    bf16/fp16, D 64, 128 or 256, R <= 16; anything else runs the reference); page_table [N, M]
     int32 page ids; kv_lens [N] int32 in R .. M * page_size, the rows' own positions included
     (append them first: `kv_append`); scale: the softmax scale (D^-1/2 for Qwen);
     max_kv_len: an upper bound on kv_lens (a host int: it sizes the kernel's split grid and
