@@ -28,14 +28,16 @@ from deltaserve.server.limits import BodyLimit
 from deltaserve.server.metrics import ServerMetrics
 from deltaserve.server.openapi import DESCRIPTION, RESPONSES, DeltaserveAPI, generation_responses
 from deltaserve.server.protocol import (
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     InvalidRequest,
     ModelCard,
     ModelList,
+)
+from deltaserve.server.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
 )
 from deltaserve.server.security import Guard, ServerOptions
 from deltaserve.server.serving import ClientGone, OpenAIServing

@@ -15,7 +15,8 @@ from typing import Any
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from deltaserve.server.protocol import ChatCompletionChunk, ErrorResponse
+from deltaserve.server.protocol import ErrorResponse
+from deltaserve.server.responses import ChatCompletionChunk
 
 PROMETHEUS_MEDIA = CONTENT_TYPE_LATEST.split(";")[0]  # text/plain
 _ERROR = {"model": ErrorResponse}
