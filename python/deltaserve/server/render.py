@@ -88,8 +88,14 @@ class CompletionRenderer(_Renderer):
             offset += len(t)
         return CompletionLogprobs(
             tokens=tokens, token_logprobs=[finite(e.logprob) for e in entries],
-            top_logprobs=[{self.token_text(t): finite(v) for t, v in e.top} for e in entries],
-            text_offset=offsets)
+            top_logprobs=[self._top_with_chosen(e) for e in entries], text_offset=offsets)
+
+    def _top_with_chosen(self, e: TokenLogprob) -> dict[str, float]:
+        """The `logprobs` most likely tokens and, as the legacy API and vLLM give it, the
+        sampled token too when it is not among them (so up to logprobs + 1 entries)."""
+        top = {self.token_text(t): finite(v) for t, v in e.top}
+        top.setdefault(self.token_text(e.token_id), finite(e.logprob))
+        return top
 
     def new_choice(self, index: int) -> Choice:
         return Choice(index)
