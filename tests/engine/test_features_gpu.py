@@ -32,7 +32,8 @@ def tiny(tmp_path_factory) -> str:
 
 
 def make(path: str, spec: str | None = None) -> LLM:
-    cfg = dict(speculative_algorithm=spec, speculative_num_steps=3) if spec else {}
+    cfg = (dict(speculative_algorithm=spec, speculative_num_steps=3, speculative_policy="fixed")
+           if spec else {})
     return LLM(path, device="cuda", dtype="float32", num_pages=1024, page_size=16,
                max_running_reqs=16, max_model_len=512, **cfg)
 

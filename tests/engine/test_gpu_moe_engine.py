@@ -44,7 +44,8 @@ def test_gpu_moe_decodes_in_cuda_graphs_and_matches_transformers(ckpt):
 def test_gpu_moe_mtp_speculation_gives_the_tokens_of_plain_decode(ckpt):
     batch = [tokens(n, seed=n + 1) for n in (5, 60, 130)]
     plain = make(ckpt)
-    spec = make(ckpt, speculative_algorithm="mtp", speculative_num_steps=3)
+    spec = make(ckpt, speculative_algorithm="mtp", speculative_num_steps=3,
+                speculative_policy="fixed")
     assert spec.engine.graphs is not None
     off = [o.token_ids for o in plain.generate(batch, GREEDY)]
     on = [o.token_ids for o in spec.generate(batch, GREEDY)]

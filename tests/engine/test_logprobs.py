@@ -77,7 +77,7 @@ def test_logprobs_of_accepted_drafts_come_from_their_own_verify_rows():
     from deltaserve.default_model import default_model_path
 
     llm = LLM(None, device="cpu", dtype="float32", speculative_algorithm="ngram",
-              speculative_num_steps=3, num_pages=256)
+              speculative_num_steps=3, speculative_policy="fixed", num_pages=256)
     prompt = llm.tokenizer.encode("    if cmd is None:\n        return None\n" * 2)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, logprobs=2,
                                                 ignore_eos=True))[0]

@@ -38,7 +38,8 @@ def tiny(tmp_path_factory) -> str:
 
 
 def make_llm(path: str, spec: str | None) -> LLM:
-    cfg = dict(speculative_algorithm=spec, speculative_num_steps=3) if spec else {}
+    cfg = (dict(speculative_algorithm=spec, speculative_num_steps=3, speculative_policy="fixed")
+           if spec else {})
     return LLM(path, device="cpu", dtype="float32", num_pages=600, max_running_reqs=16,
                max_model_len=256, **cfg)
 
