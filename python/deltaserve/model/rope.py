@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltaserve.ops.fused import apply_rope  # noqa: F401  (the one implementation)
+
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for absolute positions, computed on the fly (graph-capturable).
@@ -38,15 +40,3 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim], cos/sin [T, rotary_dim] -> x with its first rotary_dim channels
-    rotated (rotate_half convention), the rest passed through. transformers' `apply_rotary_pos_emb`.
-    """
-    rot = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)

@@ -199,10 +199,13 @@ def qk_norm_rope_ref(q_gate: torch.Tensor, k: torch.Tensor, q_weight: torch.Tens
     d = k.shape[-1]
     q = rms_norm_ref(q_gate[..., :d], q_weight, eps)
     k = rms_norm_ref(k, k_weight, eps)
-    return _rope(q, cos, sin), _rope(k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim], cos/sin [T, rotary_dim] -> x with its first rotary_dim channels
+    rotated (rotate_half convention), the rest passed through; in x's dtype, rounding after
+    each op. transformers' `apply_rotary_pos_emb`."""
     rot = cos.shape[-1]
     cos, sin = cos[:, None, :], sin[:, None, :]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
