@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from deltaserve.engine.staging import copy_into, host_tensor
 from deltaserve.ops.attention import kv_append, paged_attention
 
 
@@ -136,8 +137,11 @@ class PagedMetadata:
             table[i, :len(got)] = got
         lens = np.full(self.kv_lens.shape[0], rows, dtype=np.int32)
         lens[:n] += np.asarray(starts, dtype=np.int32)
-        self.page_table[:, :cols].copy_(torch.from_numpy(table), non_blocking=True)
-        self.kv_lens.copy_(torch.from_numpy(lens), non_blocking=True)
+        # through pinned memory like every other step input (engine/staging.py): a
+        # non-blocking copy from pageable numpy memory would still stage synchronously
+        pin = self.page_table.is_cuda
+        self.page_table[:, :cols].copy_(host_tensor(table, torch.int32, pin), non_blocking=pin)
+        copy_into(self.kv_lens, lens)
 
 
 class PagedAttentionBackend:
