@@ -1,4 +1,4 @@
-"""Train deltaserve's default model: a ~20 M parameter Qwen3.5-style hybrid (3 GDN : 1 attention)
+"""Train deltaserve's default model: a small Qwen3.5-style hybrid (3 GDN : 1 attention)
 with one MTP layer, on Python source (the stdlib and permissively licensed packages), next-token +
 MTP losses.
 
