@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from deltaserve.core import SamplingParams
-from deltaserve.engine.sampling_rng import row_uniforms, to_int64
+from deltaserve.engine.sampling_rng import row_uniforms
 from deltaserve.engine.staging import to_device
 
 FP32_MAX = torch.finfo(torch.float32).max
@@ -56,17 +56,6 @@ class SamplingRow:
     @property
     def position(self) -> int:
         return len(self.output_ids) + len(self.drafts)
-
-
-def is_plain_greedy(p: SamplingParams) -> bool:
-    """Greedy without penalties: a row's token is the argmax of its logits alone (it does not
-    depend on the tokens before it), so many rows can be decided by one argmax."""
-    return p.greedy and not has_penalty(p)
-
-
-def has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
-        or p.frequency_penalty != 0.0
 
 
 @dataclass(slots=True)
@@ -106,26 +95,34 @@ class SamplingTensors:
               device: torch.device) -> SamplingTensors:
         """The tensors for `rows` on `device`: host work O(R + the penalty rows' ids), two
         host->device copies from pinned memory (none when every row is plain greedy)."""
-        if all(is_plain_greedy(r.params) for r in rows):
+        samp, top_k, seeds, pos, temp, top_p, min_p, pen, pen_params = ([] for _ in range(9))
+        for i, r in enumerate(rows):  # one pass: this runs on the host every step
+            p = r.params
+            if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
+                    or p.frequency_penalty != 0.0:
+                pen.append(i)
+                pen_params.append(p)
+            if p.greedy:
+                continue
+            samp.append(i)
+            top_k.append(p.top_k if 0 < p.top_k < vocab else vocab)
+            seeds.append(r.seed if r.seed < 1 << 63 else r.seed - (1 << 64))  # = to_int64
+            pos.append(len(r.output_ids) + len(r.drafts))
+            temp.append(p.temperature)
+            top_p.append(p.top_p)
+            min_p.append(p.min_p)
+        if not samp and not pen:
             return cls(len(rows))
-        samp = [i for i, r in enumerate(rows) if not r.params.greedy]
-        pen = [i for i, r in enumerate(rows) if has_penalty(r.params)]
-        ints: list[np.ndarray] = []
-        floats: list[np.ndarray] = []
-        ps = [rows[i].params for i in samp]
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
-        ints += [_i64(samp), _i64(top_k), _i64([to_int64(rows[i].seed) for i in samp]),
-                 _i64([rows[i].position for i in samp])]
-        floats += [_f32([p.temperature for p in ps]), _f32([p.top_p for p in ps]),
-                   _f32([p.min_p for p in ps])]
-        any_rep = any(rows[i].params.repetition_penalty != 1.0 for i in pen)
-        prompt = _padded([rows[i].prompt_ids if rows[i].params.repetition_penalty != 1.0
-                          else () for i in pen], vocab) if any_rep else None
+        any_rep = any(p.repetition_penalty != 1.0 for p in pen_params)
+        prompt = _padded([rows[i].prompt_ids if q.repetition_penalty != 1.0 else ()
+                          for i, q in zip(pen, pen_params)], vocab) if any_rep else None
         output = _padded([list(rows[i].output_ids) + list(rows[i].drafts) for i in pen], vocab)
-        ints += [_i64(pen)] + ([prompt.ravel()] if any_rep else []) + [output.ravel()]
-        floats += [_f32([rows[i].params.repetition_penalty for i in pen]),
-                   _f32([rows[i].params.presence_penalty for i in pen]),
-                   _f32([rows[i].params.frequency_penalty for i in pen])]
+        ints = [_i64(samp), _i64(top_k), _i64(seeds), _i64(pos), _i64(pen)] \
+            + ([prompt.ravel()] if any_rep else []) + [output.ravel()]
+        floats = [_f32(temp), _f32(top_p), _f32(min_p),
+                  _f32([q.repetition_penalty for q in pen_params]),
+                  _f32([q.presence_penalty for q in pen_params]),
+                  _f32([q.frequency_penalty for q in pen_params])]
         iv = _split(to_device(np.concatenate(ints), torch.int64, device), ints)
         fv = _split(to_device(np.concatenate(floats), torch.float32, device), floats)
         s, p = len(samp), len(pen)
@@ -133,7 +130,7 @@ class SamplingTensors:
                  sample_idx=iv[0] if s < len(rows) else None, top_k=iv[1], seed=iv[2],
                  position=iv[3], temperature=fv[0], top_p=fv[1], min_p=fv[2],
                  k_max=max((k for k in top_k if k < vocab), default=0),
-                 any_top_p=any(p.top_p < 1.0 for p in ps), any_min_p=any(p.min_p > 0 for p in ps))
+                 any_top_p=any(x < 1.0 for x in top_p), any_min_p=any(x > 0.0 for x in min_p))
         if p:
             st.penalty_idx, st.repetition, st.presence, st.frequency = iv[4], fv[3], fv[4], fv[5]
             st.prompt_ids = iv[5].view(p, -1) if any_rep else None
@@ -251,6 +248,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors,
         x = x.index_put((st.penalty_idx,), apply_penalties(x[st.penalty_idx], st))
         greedy = None
     tokens = greedy if greedy is not None else torch.argmax(x, dim=-1)
+    if st.n_sample == 0:
+        return tokens
     idx = st.sample_idx
     xs = x if idx is None else x[idx]
     fallback = tokens if idx is None else tokens[idx]
