@@ -117,3 +117,15 @@ def test_held_back_is_the_longest_proper_prefix_of_the_stop_string_the_text_ends
         text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 12)))
         end = rng.randint(0, len(text))
         assert held_back(text, end, stop) == brute(text, end, stop), (text, end, stop)
+
+
+def test_admission_keeps_a_given_seed_and_draws_a_distinct_one_otherwise():
+    from deltaserve.engine.requests import new_req
+
+    def admit(seed):
+        return new_req([1, 2], SamplingParams(seed=seed), 0, vocab=10, max_model_len=100,
+                       tokenizer=CharTokenizer(), grammar=None).sample_seed
+
+    assert admit(2**64 - 1) == 2**64 - 1 and admit(-5) == -5
+    drawn = {admit(None) for _ in range(50)}
+    assert len(drawn) == 50
