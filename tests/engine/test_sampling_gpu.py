@@ -11,7 +11,13 @@ import torch
 from sampling_cases import batched_probs, chi2_critical, chi_square, random_params, random_row
 
 from deltaserve.core import SamplingParams
-from deltaserve.engine.sampling import SamplingRow, SamplingTensors, apply_penalties, sample_rows
+from deltaserve.engine.sampling import (
+    SamplingRow,
+    SamplingTensors,
+    apply_penalties,
+    sample,
+    sample_rows,
+)
 from deltaserve.engine.sampling_ref import apply_penalties_ref, sample_rows_ref, truncated_probs_ref
 from deltaserve.engine.sampling_rng import row_uniforms
 
@@ -85,3 +91,23 @@ def test_gpu_tokens_are_reproducible_and_independent_of_the_batch(batch):
     first = sample_rows(logits, rows)
     assert first == sample_rows(logits, rows)
     assert first[len(others):] == alone
+
+
+def test_the_sampler_captures_in_a_cuda_graph_and_replays_the_eager_tokens():
+    # no host sync inside `sample`: a graph over fixed SamplingTensors replays the same draw
+    rng = random.Random(5)
+    rows = [random_row(rng, VOCAB, random_params(rng, VOCAB, greedy_share=0.3))
+            for _ in range(32)]
+    logits = torch.randn(len(rows), VOCAB, device=CUDA) * 2
+    st = SamplingTensors.build(rows, VOCAB, CUDA)
+    eager = sample(logits, st)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sample(logits, st)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sample(logits, st)
+    graph.replay()
+    assert torch.equal(out, eager)
