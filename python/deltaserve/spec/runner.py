@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from deltaserve.engine.sampling import SamplingRow, is_plain_greedy
+from deltaserve.engine.sampling import SamplingRow, sample_rows
 from deltaserve.spec.proposer import Proposer
-from deltaserve.spec.rejection import accept_drafts, accept_greedy
+from deltaserve.spec.rejection import accept, verify_rows
 
 if TYPE_CHECKING:
     import torch
@@ -60,24 +60,18 @@ class SpecRunner:
 
     def accept(self, batch: Batch, logits: torch.Tensor,
                greedy: torch.Tensor | None = None) -> dict[int, list[int]]:
-        """Tokens each request commits, from the verify logits [B * (k+1), V]. Plain-greedy
-        requests are decided by one argmax over every row (`greedy` when the step computed it;
-        one device->host copy per step); the others row by row (their rows depend on the
-        drafts before them)."""
+        """Tokens each request commits, from the verify logits [B * (k+1), V]: every row
+        sampled in one batched call (plain-greedy rows by `greedy`, the argmax when the step
+        computed it), one device->host copy, then the prefix match per request."""
         rows = self.num_steps + 1
-        plain = [is_plain_greedy(req.params) for req in batch.reqs]
-        if greedy is None and any(plain):
-            greedy = logits.argmax(dim=-1)
-        best = greedy.tolist() if any(plain) else []
-        out = {}
+        sampling_rows = []
         for i, req in enumerate(batch.reqs):
-            drafts = batch.draft_ids[i][:batch.num_drafts[i]]
-            if plain[i]:
-                out[req.rid] = accept_greedy(best[i * rows:(i + 1) * rows], drafts)
-                continue
-            base = SamplingRow(req.params, req.prompt_ids, req.output_ids, req.generator)
-            out[req.rid] = accept_drafts(logits[i * rows:(i + 1) * rows], base, drafts)
-        return out
+            base = SamplingRow(req.params, req.prompt_ids, req.output_ids, req.sample_seed)
+            sampling_rows += verify_rows(base, batch.draft_ids[i], rows)
+        targets = sample_rows(logits, sampling_rows, greedy)
+        return {req.rid: accept(targets[i * rows:(i + 1) * rows],
+                                batch.draft_ids[i][:batch.num_drafts[i]])
+                for i, req in enumerate(batch.reqs)}
 
     def on_forward(self, batch: Batch, hidden) -> None:
         self.proposer.on_forward(batch, hidden)
