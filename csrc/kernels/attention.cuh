@@ -308,28 +308,58 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D)) paged_at
   }
 }
 
-// One block per output row (request, row, q head), one thread per element of D: combines the
-// splits' partial outputs weighted by 2^(lse - max lse). Requests with one split are skipped
-// (the attention kernel wrote them).
+// Merge blocks: one per (output row, kMergeCols columns); thread (group, column) folds splits
+// group, group + kMergeGroups, ... of its column with the online softmax's rescaling (weights
+// 2^(lse - running max)), then the groups are folded through shared memory. At a small batch one
+// request has ~200 splits over only N * R * Hq rows: one thread per element looping over every
+// split left a few blocks each waiting out ~200 dependent-latency loads (B = 1 at 32k);
+// spread this way the merge has D / kMergeCols times the blocks and kMergeGroups times fewer
+// loads a thread. Requests with one split are skipped (the attention kernel wrote them).
+constexpr int kMergeCols = 32;
+constexpr int kMergeGroups = 8;
 template <typename T>
-__global__ void __launch_bounds__(256) merge_kernel(const PagedAttnParams p) {
+__global__ void __launch_bounds__(kMergeCols * kMergeGroups) merge_kernel(const PagedAttnParams p) {
   grid_dependency_wait();  // the partial outputs of the attention kernel before
-  const int64_t row = blockIdx.x;
+  __shared__ float m_s[kMergeGroups][kMergeCols], l_s[kMergeGroups][kMergeCols],
+      o_s[kMergeGroups][kMergeCols];
+  const int chunks = p.D / kMergeCols;
+  const int64_t row = blockIdx.x / chunks;
+  const int c = threadIdx.x % kMergeCols, grp = threadIdx.x / kMergeCols;
+  const int col = static_cast<int>(blockIdx.x % chunks) * kMergeCols + c;
   const int n = static_cast<int>(row / (int64_t(p.R) * p.Hq));
   const int len = usable_len(p.kv_lens[n], p.page_size, p.max_pages);
   const int count = split_plan(len, p.max_splits).count;
-  if (count <= 1) return;
+  if (count <= 1) return;  // the whole block: count is the request's
   const float* lse = p.part_lse + row * p.max_splits;
-  float mx = neg_inf();
-  for (int s = 0; s < count; ++s) mx = fmaxf(mx, lse[s]);
-  float sum = 0.f, o = 0.f;
-  const float* part = p.part_o + row * p.max_splits * p.D + threadIdx.x;
-  for (int s = 0; s < count; ++s) {
-    const float w = lse[s] == neg_inf() ? 0.f : exp2f(lse[s] - mx);
-    sum = fadd(sum, w);
-    o = ffma(w, part[int64_t(s) * p.D], o);
+  const float* part = p.part_o + row * p.max_splits * p.D + col;
+  float m = neg_inf(), l = 0.f, o = 0.f;
+#pragma unroll 4
+  for (int s = grp; s < count; s += kMergeGroups) {
+    const float ls = lse[s];
+    const float v = part[int64_t(s) * p.D];
+    if (ls == neg_inf()) continue;  // a split whose positions this row sees none of
+    const float m_new = fmaxf(m, ls);
+    const float alpha = exp2f(m - m_new), w = exp2f(ls - m_new);  // alpha 0 from m = -inf
+    l = ffma(l, alpha, w);
+    o = ffma(o, alpha, fmul(w, v));
+    m = m_new;
   }
-  static_cast<T*>(p.out)[row * p.D + threadIdx.x] = from_float<T>(fdiv(o, sum));
+  m_s[grp][c] = m;
+  l_s[grp][c] = l;
+  o_s[grp][c] = o;
+  __syncthreads();
+  if (grp != 0) return;
+  float mx = neg_inf();
+#pragma unroll
+  for (int g = 0; g < kMergeGroups; ++g) mx = fmaxf(mx, m_s[g][c]);
+  float sum = 0.f, acc = 0.f;
+#pragma unroll
+  for (int g = 0; g < kMergeGroups; ++g) {
+    const float w = m_s[g][c] == neg_inf() ? 0.f : exp2f(m_s[g][c] - mx);
+    sum = ffma(w, l_s[g][c], sum);
+    acc = ffma(w, o_s[g][c], acc);
+  }
+  static_cast<T*>(p.out)[row * p.D + col] = from_float<T>(sum > 0.f ? fdiv(acc, sum) : 0.f);
 }
 
 // One thread per 16-byte word of the new rows' K and V.
@@ -393,7 +423,8 @@ inline ds_error_t launch_paged_attention_d(const PagedAttnParams& p, ds_stream_t
   // both with PDL: at a small batch the launch gaps, not the bytes, are most of the time
   const ds_error_t err = launch(paged_attn_kernel<T, D>, grid, kThreads, stream, Pdl::kOn, p);
   if (err != DS_SUCCESS || p.max_splits == 1) return err;
-  return launch(merge_kernel<T>, int64_t(p.N) * p.R * p.Hq, D, stream, Pdl::kOn, p);
+  return launch(merge_kernel<T>, int64_t(p.N) * p.R * p.Hq * (D / kMergeCols),
+                kMergeCols * kMergeGroups, stream, Pdl::kOn, p);
 }
 
 // The attention of every row, then (max_splits > 1) the merge. p.heads_per_block and
