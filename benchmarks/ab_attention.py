@@ -1,9 +1,10 @@
 """Same-machine A/B of the paged attention kernels: builds of the extension (the working tree, a
 reference tree from benchmarks/ab_prepare.sh, variant environments), each timed in its own
 process by bench_attention.bench_case (CUDA-graph replays, the engine's max_kv_len grid; the
-gather path left out), the configurations taking turns for --rounds rounds. Prints µs per call
-and % of the copy bandwidth over the KV bytes (median over rounds), each configuration's ratio
-to the first, and verify / decode where both row counts are timed.
+gather path left out; --append: kv_append + attention, the engine's step), the configurations
+taking turns for --rounds rounds. Prints µs per call and % of the copy bandwidth over the KV
+bytes (median over rounds), each configuration's ratio to the first, and verify / decode
+where both row counts are timed.
 
 On the device, in one call (the builds share the 16 cores):
     bash benchmarks/ab_prepare.sh main ref          # here, before the call; carry build/ab
@@ -41,19 +42,20 @@ gen = torch.Generator(device="cuda").manual_seed(0)
 copy = copy_bandwidth()
 out = []
 for b, ctx, rows, ps in {cases!r}:
-    r = ba.bench_case(b, ctx, rows, ps, {chain}, copy, 0.0, gen)
+    r = ba.bench_case(b, ctx, rows, ps, {chain}, copy, 0.0, gen, {append})
     out.append([b, ctx, rows, ps, r["kernel_us"], r["frac_of_copy"]])
     torch.cuda.empty_cache()
 print(json.dumps(out))
 """
 
 
-def run(python_dir: str, cases: list[tuple], chain: int, env: dict[str, str]) -> dict:
+def run(python_dir: str, cases: list[tuple], chain: int, env: dict[str, str],
+        append: bool = False) -> dict:
     """{(batch, ctx, rows, page size): (µs, fraction of copy bandwidth)} from one process
     importing deltaserve from `python_dir`. Exits (SystemExit) with the child's last stderr
     lines when it fails (no CUDA device, an unbuilt tree)."""
     code = CHILD.format(bench=os.path.join(ROOT, "benchmarks"), path=python_dir, cases=cases,
-                        chain=chain)
+                        chain=chain, append=append)
     child_env = dict(os.environ, **env)
     child_env["PYTHONPATH"] = os.pathsep.join(
         [python_dir] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -79,6 +81,7 @@ def main() -> None:
     ap.add_argument("--page-sizes", default="16")
     ap.add_argument("--chain", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--append", action="store_true", help="time kv_append + attention")
     ap.add_argument("--env", action="append", default=[],
                     help="NAME=VALUE for every configuration (repeatable)")
     ap.add_argument("--out", default="ab_attention.json")
@@ -98,7 +101,7 @@ def main() -> None:
     for k in range(args.rounds):
         for label, path, cfg_env in configs:
             t0 = time.perf_counter()
-            runs[label].append(run(path, cases, args.chain, cfg_env))
+            runs[label].append(run(path, cases, args.chain, cfg_env, args.append))
             print(f"round {k + 1} {label} ({time.perf_counter() - t0:.0f} s)", flush=True)
     med = {label: {c: (statistics.median(r[c][0] for r in rs),
                        statistics.median(r[c][1] for r in rs)) for c in cases}

@@ -33,7 +33,7 @@ constexpr int kMaxBlockRows = 16;  // q rows (heads x rows) one block holds: the
 constexpr int kMinSplit = kTile;   // the smallest split (positions)
 // Blocks per multiprocessor the grid aims for, so the whole grid runs as one resident wave (no
 // tail of a second one), and the kernel's launch bound: at D = 256 a block takes 44 KB of static
-// shared memory and 167 registers a thread (sm_90; 128 would spill), so 3 stay resident on an
+// shared memory and 168 registers a thread (sm_90; 128 would spill), so 3 stay resident on an
 // H100/H200; at D <= 128, 127 registers and <= 23 KB: 4. DS_ATTN_BLOCKS_PER_SM overrides the
 // grid's figure (A/B runs: fewer, longer splits merge less, more hide more latency).
 constexpr int blocks_per_sm(int D) { return D >= 256 ? 3 : 4; }
@@ -110,7 +110,8 @@ DS_DEVICE void store16(void* p, const Word16& w) { *static_cast<uint4*>(p) = w; 
 // tile is computed, and the page ids of the tile after it before that (so the K/V loads never
 // wait on a page-table read).
 template <typename T, int D>
-__global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D)) paged_attn_kernel(const PagedAttnParams p) {
+__global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
+    paged_attn_kernel(const PagedAttnParams p) {
   static_assert(sizeof(T) == 2, "16-bit KV only");
   static_assert(kTile == 8 * kWarps && kTile % 16 == 0, "one n8 tile of scores per warp");
   constexpr int kChunk = 8;                      // elements per 16-byte word

@@ -215,7 +215,8 @@ DS_DEVICE uint32_t shfl_u32(uint32_t v, int src) {
 // d += A B for one warp: A 16 x 16 (row-major), B 16 x 8 (column-major), T bf16 or f16, fp32
 // accumulators. Fragments as the PTX ISA's "Matrix Fragments for mma.m16n8k16 with floating
 // point type": lane = 4 g + t holds
-//   a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1], a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9]
+//   a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1],
+//   a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9]
 //   b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g]
 //   d[0], d[1] = D[g][2t, 2t+1], d[2], d[3] = D[g+8][2t, 2t+1]
 // (pairs packed by pack2). Every lane of the warp calls it. sm_80+ CUDA: one mma.sync. Elsewhere

@@ -65,6 +65,8 @@ LONG_CASES = [  # lens, rows, hq, hkv, d, page_size, max_kv_len, dtype
     ([300, 40], 3, 6, 2, 64, 16, 96, torch.float16),
     # GQA 8 decode: 8 rows a block; a split edge inside a page
     ([257, 96], 1, 16, 2, 256, 64, 128, torch.bfloat16),
+    # 63 one-tile splits of one row: every merge thread group folds several splits
+    ([2000], 1, 1, 1, 64, 16, 4096, torch.bfloat16),
 ]
 
 
