@@ -4,7 +4,7 @@
 //     emulated kernel tests run, realises that layout;
 //   nvcc on a GPU (sm_80+): the tensor cores agree with it, so the emulated attention tests
 //     speak for the GPU kernel's indexing:
-//       nvcc -std=c++17 -arch=sm_90 -Icsrc tests/csrc/mma_check.cu -o /tmp/mma_check && /tmp/mma_check
+//       nvcc -std=c++17 -arch=sm_90 -Icsrc tests/csrc/mma_check.cu -o /tmp/mma && /tmp/mma
 // Small integers in, so every product and sum is exact and the check is equality. Exits 1 on
 // any difference.
 #include <cstdio>
