@@ -89,6 +89,9 @@ class SamplingParams:
     logprobs: int | None = None
     # a deltaserve.engine.grammar.GrammarSpec: output constrained by a token bitmask
     structured: Any = None
+    # back up the prompt's last token when longer tokens extend its text and make the first
+    # output token extend it; the output text starts right after the prompt (engine/healing.py)
+    token_healing: bool = False
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -137,6 +140,10 @@ class SamplingParams:
              and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be a list of non-negative integers"),
             (lambda: isinstance(self.ignore_eos, bool), "ignore_eos must be true or false"),
+            (lambda: isinstance(self.token_healing, bool),
+             "token_healing must be true or false"),
+            (lambda: not (self.token_healing and self.structured is not None),
+             "token_healing cannot be combined with structured output"),
             (lambda: self.logprobs is None
              or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be an integer in [0, {MAX_LOGPROBS}]"),
