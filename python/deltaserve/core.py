@@ -179,6 +179,7 @@ class Req:
     sample_seed: int = 0  # engine/sampling_rng.py's seed: params.seed, else drawn at admission
     detok: Any = None
     grammar: Any = None  # a grammar matcher at the committed output (structured output)
+    healing: Any = None  # an engine.healing.Healing: the first output token is constrained
     arrival_time: float = 0.0
     first_token_time: float | None = None
 

@@ -18,13 +18,18 @@ class IncrementalDetokenizer:
     `append(token)` returns True when a stop string has appeared; the text is then cut just
     before it (OpenAI semantics: the stop string is not returned). Text that could still become
     the start of a stop string is held back from `take_new_text()` until resolved.
+
+    `skip`: text the output starts with that is not handed out nor searched for stop strings
+    (token healing, engine/healing.py: the prompt text the first token re-generates); `text`
+    is what follows it.
     """
 
-    def __init__(self, tokenizer, stop: list[str]) -> None:
+    def __init__(self, tokenizer, stop: list[str], skip: str = "") -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.ids: list[int] = []
         self.text = ""
+        self._skip = skip  # what of `skip` is still to be dropped from the decoded text
         self.stopped = False
         self._emitted = 0
         self._prefix = 0  # ids[_prefix:_read] is the context window already in `text`
@@ -52,7 +57,13 @@ class IncrementalDetokenizer:
             if len(after) < len(before) or after.endswith("\ufffd"):
                 return False  # a character still incomplete: its tokens stay pending
         searched_from = len(self.text)
-        self.text += after[len(before):]
+        new = after[len(before):]
+        if self._skip:
+            n = _common_prefix(new, self._skip)
+            # a mismatch cannot happen under the healing mask; if it did, keep what differs
+            self._skip = self._skip[n:] if n == len(new) else ""
+            new = new[n:]
+        self.text += new
         self._prefix = max(self._read, len(self.ids) - PREFIX_TOKENS)
         self._read = len(self.ids)
         for s in self.stop:
@@ -89,6 +100,15 @@ def held_back(text: str, end: int, stop: str) -> int:
             return end - i
         i = text.find(stop[0], i + 1, end)
     return 0
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _decoder(tokenizer):

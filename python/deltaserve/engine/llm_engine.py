@@ -22,6 +22,7 @@ from deltaserve.engine.attention import PagedKVCache
 from deltaserve.engine.cuda_graph import GraphRunner
 from deltaserve.engine.forks import ForkGroups, parent_params
 from deltaserve.engine.grammar import GrammarBackend
+from deltaserve.engine.healing import TokenHealer, healing_rows, mask_first_tokens
 from deltaserve.engine.logprobs import TokenLogprob, step_logprobs
 from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.requests import new_req
@@ -160,6 +161,7 @@ class LLMEngine:
         self.num_steps = 0
         self.generated_tokens = 0
         self._grammar: GrammarBackend | None = None  # built by the first structured request
+        self._healer: TokenHealer | None = None  # built by the first token-healing request
         self.forks = ForkGroups(self._queue)
 
     def _build_caches(self) -> None:
@@ -235,7 +237,8 @@ class LLMEngine:
         if rid in self._reqs or self.forks.is_held(rid):
             raise ValueError(f"request id {rid} is already in use")
         return new_req(prompt_ids, params, rid, self.model.config.vocab_size,
-                       self.max_model_len, self.tokenizer, lambda: self.grammar)
+                       self.max_model_len, self.tokenizer, lambda: self.grammar,
+                       lambda: self.healer)
 
     def _queue(self, req: Req) -> None:
         self.scheduler.add(req)
@@ -264,6 +267,14 @@ class LLMEngine:
             self._grammar = GrammarBackend(self.tokenizer, self.model.config.vocab_size,
                                            self.eos_ids)
         return self._grammar
+
+    @property
+    def healer(self) -> TokenHealer | None:
+        """The tokenizer's token-healing prefix table (built on first use); None without a
+        tokenizer (token ids only: healing is then off)."""
+        if self._healer is None and self.tokenizer is not None:
+            self._healer = TokenHealer(self.tokenizer, self.model.config.vocab_size)
+        return self._healer
 
     @property
     def max_request_len(self) -> int:
@@ -318,6 +329,10 @@ class LLMEngine:
         greedy = out.greedy  # the graph's argmax: of the logits before any grammar mask
         if constrained:  # after the forward (a graph's output buffer), before sampling
             self._grammar.mask(batch, out.logits, out.owners)
+            greedy = None
+        healing = healing_rows(out.owners)
+        if healing:  # a first token that must extend the backed-up prompt token
+            mask_first_tokens(out.logits, out.owners, healing)
             greedy = None
         before = {r.rid: len(r.output_ids) for r in batch.reqs}
         if batch.phase is Phase.VERIFY:

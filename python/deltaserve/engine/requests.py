@@ -13,11 +13,14 @@ from deltaserve.engine.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from deltaserve.engine.grammar import GrammarBackend
+    from deltaserve.engine.healing import TokenHealer
 
 
 def new_req(prompt_ids: list[int], params: SamplingParams, rid: int, vocab: int,
-            max_model_len: int, tokenizer, grammar: Callable[[], GrammarBackend]) -> Req:
-    """A checked WAITING request (its sampling seed set, its grammar matcher compiled).
+            max_model_len: int, tokenizer, grammar: Callable[[], GrammarBackend],
+            healer: Callable[[], TokenHealer | None] | None = None) -> Req:
+    """A checked WAITING request (its sampling seed set, its grammar matcher compiled, its
+    prompt healed when `params.token_healing` and `healer` gives the tokenizer's table).
 
     The seed is `params.seed`, or for an unseeded request one drawn here from torch's global
     CPU generator (seeded by the engine's --seed), so every request samples from its own
@@ -39,12 +42,17 @@ def new_req(prompt_ids: list[int], params: SamplingParams, rid: int, vocab: int,
         raise ValueError(
             f"the prompt has {len(prompt_ids)} tokens but the context length is "
             f"{max_model_len}: at most {max_model_len - 1} prompt tokens fit")
+    table = healer() if params.token_healing and healer is not None else None
+    healing = table.heal(prompt_ids) if table is not None else None
+    if healing is not None:  # the first output token re-generates the last prompt token
+        prompt_ids = healing.prompt_ids
     max_len = min(len(prompt_ids) + params.max_tokens, max_model_len)
     req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, max_len=max_len,
-              arrival_time=time.monotonic())
+              arrival_time=time.monotonic(), healing=healing)
     req.sample_seed = params.seed if params.seed is not None \
         else int(torch.randint(-2**63, 2**63 - 1, ()))
     if params.structured is not None:
         req.grammar = grammar().matcher(params.structured)
-    req.detok = IncrementalDetokenizer(tokenizer, list(params.stop))
+    req.detok = IncrementalDetokenizer(tokenizer, list(params.stop),
+                                       healing.removed_text if healing else "")
     return req
