@@ -221,3 +221,20 @@ def test_flags_that_would_make_a_useless_engine_are_refused_at_startup(flag, val
         parse(flag, value)
     with pytest.raises(SystemExit, match=f"deltaserve: error: {field}"):  # one line, no trace
         main(["generate", flag, value, "hi"])
+
+
+@pytest.mark.parametrize("flag, healing", [([], True), (["--no-token-healing"], False)])
+def test_generate_heals_the_prompts_last_token_unless_told_not_to(tiny_model, capsys, flag,
+                                                                   healing):
+    from deltaserve import LLM, SamplingParams
+
+    prompt = "def f(x):\n"
+    code = main(["--log-level", "WARNING", "generate", "--model", str(tiny_model), "--device",
+                 "cpu", "--max-tokens", "6", "--ignore-eos", *flag, prompt])
+    assert code == 0
+    llm = LLM(str(tiny_model), device="cpu")
+    healed, plain = (llm.generate(prompt, SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, token_healing=h))[0].text
+        for h in (True, False))
+    assert healed != plain  # the trailing "\n" is backed up on this tokenizer
+    assert capsys.readouterr().out == (healed if healing else plain) + "\n"

@@ -115,7 +115,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
-                  "top_p": "--top-p", "top_k": "--top-k"}
+                  "top_p": "--top-p", "top_k": "--top-k",
+                  "repetition_penalty": "--repetition-penalty"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, (0, 1]")
     gen.add_argument("--top-k", type=int, default=-1,
                      help="top-k sampling; -1 or 0: off (as in vLLM)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="> 1 penalises tokens already in the prompt or output (default 1: off)")
+    gen.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
+                     help="back up the prompt's last token when longer tokens extend it (a "
+                          "trailing newline: newline + indentation) and make the first "
+                          "token extend it; the output still continues the prompt exactly "
+                          "(default on; not applied with --chat)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true",
                      help="wrap each prompt as a user message in the chat template")
@@ -177,8 +185,11 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("deltaserve generate: no prompts given", file=sys.stderr)
         return 2
+    # the chat template's own last token ("\n" after the assistant tag) is not the user's
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos)
+                            top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos,
+                            repetition_penalty=args.repetition_penalty,
+                            token_healing=args.token_healing and not args.chat)
     try:  # before minutes of model loading, naming the flag
         params.validate()
     except ValueError as e:
