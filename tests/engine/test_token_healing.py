@@ -10,7 +10,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.default_model import random_model_path
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.grammar import GrammarSpec
-from deltaserve.engine.healing import bitmask_row
+from deltaserve.engine.healing import TokenHealer, bitmask_row
 from drained import assert_drained
 
 PROMPTS = [
@@ -59,6 +59,13 @@ def test_heal_backs_up_only_a_last_token_that_longer_tokens_extend(llm):
     lone = [t for t, data in enumerate(healer.token_bytes)
             if len(data) > 1 and healer.extending(data) == [t]]
     assert healer.heal(ids[:3] + lone[:1]) is None  # no longer token: nothing to heal
+    quote = tok.encode('def f():\n    """Doc.\n    """', add_special_tokens=False)
+    assert len(healer.extending(healer.token_bytes[quote[-1]])) > 1  # ' """' + ...
+    assert healer.heal(quote) is None  # not whitespace: the docstring stays closed
+    anything = TokenHealer(tok, healer.vocab_size, whitespace_only=False).heal(quote)
+    assert anything.prompt_ids == quote[:-1]
+    space = tok.encode("x =", add_special_tokens=False) + tok.encode(" ", add_special_tokens=False)
+    assert healer.heal(space).removed_text == " "
 
 
 def test_bitmask_rows_set_exactly_the_given_ids():
