@@ -15,6 +15,7 @@ from deltaserve.default_model.openings import (
     docs_sha256,
     file_candidates,
     held_out_docs,
+    leaked_openings,
     load_openings,
     select_openings,
 )
@@ -105,3 +106,20 @@ def test_stored_openings_equal_the_rules_output_on_the_shipped_stdlib():
     rebuilt = build_openings_file()
     assert rebuilt["openings"] == stored["openings"]
     assert rebuilt["heldout_sha256"] == stored["heldout_sha256"]
+
+
+def test_an_opening_copied_into_another_file_is_found_as_a_leak():
+    openings = [
+        {"path": "pickle.py", "qualname": "load", "text": 'def load(self):\n    """Read a '
+         'pickled object representation from the open file.\n\n    Return the reconstituted '
+         'object hierarchy specified in the file.\n    """'},
+        {"path": "m.py", "qualname": "f", "text": 'def f():\n    """Short."""'},
+    ]
+    copy = SourceFile("torch/unpickler.py", "class U:\n    def load(self):\n        \"\"\"Read "
+                      "a pickled object representation from the open file.\n\n        Return "
+                      "the reconstituted object hierarchy specified in the file.\n        "
+                      "\"\"\"\n        return 1\n")
+    half = SourceFile("other.py", "# Read a pickled object representation from the open file.\n"
+                      "Read a pickled object representation from the open file.\n")
+    assert leaked_openings(openings, [half, copy]) == {"pickle.py:load": ["torch/unpickler.py"]}
+    assert leaked_openings(openings, [half]) == {}  # every long line must be there

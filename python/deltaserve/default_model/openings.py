@@ -183,6 +183,26 @@ def build_openings_file(stdlib_dir: str | os.PathLike | None = None) -> dict:
     }
 
 
+LEAK_LINE = 30  # opening lines at least this long (stripped) identify it in other text
+
+
+def leaked_openings(openings: list[dict], docs: Iterable[SourceFile]) -> dict[str, list[str]]:
+    """Openings whose text appears in `docs` (e.g. a training split): "path:qualname" -> paths
+    of the documents that hold every line of the opening of at least LEAK_LINE characters
+    (stripped). Openings without such a line are not checked."""
+    keys = {f"{o['path']}:{o['qualname']}": {s for s in (ln.strip() for ln in
+                                                        o["text"].splitlines())
+                                            if len(s) >= LEAK_LINE} for o in openings}
+    keys = {k: v for k, v in keys.items() if v}
+    found: dict[str, list[str]] = {}
+    for doc in docs:
+        lines = {ln.strip() for ln in doc.text.splitlines()}
+        for name, need in keys.items():
+            if need <= lines:
+                found.setdefault(name, []).append(doc.path)
+    return found
+
+
 def load_openings(path: str | os.PathLike = OPENINGS_PATH) -> list[dict]:
     """The stored openings: a list of {path, qualname, line, text} (see eval_openings.json)."""
     return json.loads(Path(path).read_text(encoding="utf-8"))["openings"]
