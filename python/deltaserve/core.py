@@ -89,8 +89,9 @@ class SamplingParams:
     logprobs: int | None = None
     # a deltaserve.engine.grammar.GrammarSpec: output constrained by a token bitmask
     structured: Any = None
-    # back up the prompt's last token when longer tokens extend its text and make the first
-    # output token extend it; the output text starts right after the prompt (engine/healing.py)
+    # back up the prompt's last token when it is whitespace that longer tokens extend (a lone
+    # "\n" before indentation) and make the first output token extend it; the output text
+    # still starts right after the prompt (engine/healing.py)
     token_healing: bool = False
 
     def __post_init__(self) -> None:
