@@ -11,7 +11,10 @@ directories: their licenses are the vendored projects'), no generator or convers
 (SKIPPED_PREFIXES), files of at most MAX_FILE_BYTES, no line longer than MAX_LINE_CHARS
 (generated tables), strict UTF-8, no exact duplicate of an earlier document (stdlib included),
 and no file that shares more than LEAK_SHARE of its distinct long lines with the held-out split
-(backports and copies of stdlib modules would otherwise leak held-out text into training).
+(backports and copies of stdlib modules would otherwise leak held-out text into training), nor
+one that holds every long line of one of the 20 evaluation openings (eval_openings.json: torch's
+`_weights_only_unpickler.py` repeats pickle's `load` docstring while sharing only 5 % of its long
+lines with the held-out split).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from deltaserve.default_model.corpus import (
     iter_split,
     load_manifest,
 )
+from deltaserve.default_model.openings import LEAK_LINE, load_openings
 
 # import name -> (distribution name, SPDX id as stated by the distribution's METADATA)
 PACKAGES: dict[str, tuple[str, str]] = {
@@ -140,13 +144,17 @@ def add_extra_split(corpus_dir: str | os.PathLike, site_dirs: Iterable[str | os.
     manifest = load_manifest(corpus)
     for old in corpus.glob("extra-*.jsonl"):
         old.unlink()
+    opening_lines = [need for need in (
+        {t for t in (ln.strip() for ln in o["text"].splitlines()) if len(t) >= LEAK_LINE}
+        for o in load_openings()) if need]
     seen = {hashlib.sha256(d.text.encode()).digest() for s in ("train", "heldout")
             for d in iter_split(corpus, s)}
     held_lines: set[str] = set()
     for d in iter_split(corpus, "heldout"):
         held_lines |= _long_lines(d.text)
     writer = _ShardWriter(corpus, "extra")
-    digest, used, dropped = hashlib.sha256(), {}, {"duplicate": 0, "held_out_overlap": 0}
+    digest, used = hashlib.sha256(), {}
+    dropped = {"duplicate": 0, "held_out_overlap": 0, "eval_opening": 0}
     sites = [Path(s) for s in site_dirs]
     for name in packages:
         site = next((s for s in sites if (s / name).is_dir()), None)
@@ -163,6 +171,10 @@ def add_extra_split(corpus_dir: str | os.PathLike, site_dirs: Iterable[str | os.
             lines = _long_lines(doc.text)
             if lines and len(lines & held_lines) > LEAK_SHARE * len(lines):
                 dropped["held_out_overlap"] += 1
+                continue
+            stripped = {ln.strip() for ln in doc.text.splitlines()}
+            if any(need <= stripped for need in opening_lines):
+                dropped["eval_opening"] += 1
                 continue
             writer.add(doc)
             digest.update(doc.path.encode() + b"\0" + doc.text.encode() + b"\0")
