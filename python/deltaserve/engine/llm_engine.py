@@ -327,7 +327,7 @@ class LLMEngine:
         else:
             rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator)
                     for r in out.owners]
-            tokens = sample_rows(out.logits, rows, greedy) if rows else []
+            tokens = self._sample_rows(out.logits, rows, greedy) if rows else []
             sampled = {}
             for req, tok in zip(out.owners, tokens):
                 sampled.setdefault(req.rid, []).append(tok)
@@ -359,6 +359,10 @@ class LLMEngine:
             if req.finished:
                 self._reqs.pop(req.rid, None)
         return self.forks.on_outputs(outputs)
+
+    def _sample_rows(self, logits, rows: list[SamplingRow], greedy) -> list[int]:
+        """One token per logits row (tensor parallel: rank 0 samples, distributed/engine.py)."""
+        return sample_rows(logits, rows, greedy)
 
     def _commit_verify(self, batch, counts: list[int]) -> None:
         self.runner.commit_verify(counts)
