@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from deltaserve.config import EngineConfig
 from deltaserve.distributed import worker as w
 from deltaserve.distributed.group import make_group, make_store
-from deltaserve.distributed.shard import shard_model
+from deltaserve.distributed.shard import local_config, shard_model
 from deltaserve.engine.llm_engine import LLMEngine, resolve_device_dtype
 
 if TYPE_CHECKING:
@@ -46,6 +46,8 @@ class TPEngine(LLMEngine):
             cfg.device = f"cuda:{rank}"  # one GPU per rank
         # TODO(issue 31, GPU): capture decode graphs per rank (NCCL all-reduce in the graph)
         cfg.cuda_graphs = False
+        if rank == 0:
+            check_split(cfg)  # before any process starts
         store = make_store(rank, size, port, timeout)
         if rank == 0:
             self.workers = w.Workers(cfg, size, store.port, timeout)
@@ -103,10 +105,11 @@ class TPEngine(LLMEngine):
         self._forward(w.Step())
         try:
             return super().step()
-        except BaseException as e:
-            if self.rank == 0:
-                self._fail(f"a tensor-parallel step failed: {type(e).__name__}: {e}")
-            raise
+        except Exception as e:
+            if self.rank != 0:
+                raise
+            self._fail(self.workers.dead() or f"a step failed: {type(e).__name__}: {e}")
+            raise w.RankFailure(self.failure) from e
 
     # ---- what rank 0 decides inside a step ------------------------------------------------
     def decide(self, kind: str, value=None):
@@ -188,6 +191,19 @@ class TPEngine(LLMEngine):
         self.failure = reason
         logger.error("tensor parallel: %s; stopping the workers", reason)
         self.workers.stop(graceful=False)
+
+
+def check_split(cfg: EngineConfig) -> None:
+    """Raise ValueError when the checkpoint's heads or intermediate sizes do not split over
+    cfg.tensor_parallel_size ranks (read from config.json alone)."""
+    from deltaserve.model.config import ModelConfig
+
+    path = cfg.model
+    if path is None:
+        from deltaserve.default_model import default_model_path
+
+        path = default_model_path()
+    local_config(ModelConfig.from_pretrained(path), cfg.tensor_parallel_size, 0)
 
 
 class TPSpec:

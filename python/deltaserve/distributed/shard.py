@@ -162,11 +162,17 @@ def _shard_moe(moe: SparseMoE, group: TPGroup) -> None:
 def local_config(config: ModelConfig, size: int, rank: int) -> ModelConfig:
     """The config as one rank's modules see it: head counts and intermediate sizes of its
     shard (what the engine sizes the KV pages, GDN state pool and stashes from); the vocabulary,
-    hidden size and layer structure stay whole."""
+    hidden size and layer structure stay whole. Raises ValueError naming what does not split
+    over `size` ranks."""
     attn = split_heads(config.num_attention_heads, config.num_key_value_heads, size, rank,
                        "attention")
     gdn = split_heads(config.linear_num_value_heads, config.linear_num_key_heads, size, rank,
                       "GDN value")
+    for what in ("intermediate_size", "moe_intermediate_size",
+                 "shared_expert_intermediate_size"):
+        if getattr(config, what) % size:
+            raise ValueError(f"tensor_parallel_size {size} does not divide {what} "
+                             f"{getattr(config, what)}")
     return dataclasses.replace(
         config, num_attention_heads=attn.q_heads, num_key_value_heads=attn.kv_heads,
         linear_num_value_heads=gdn.q_heads, linear_num_key_heads=gdn.kv_heads,
@@ -180,12 +186,7 @@ def shard_model(model: Model, group: TPGroup) -> None:
     give it the collectives. Raises ValueError (before changing anything) when a head count or
     intermediate size does not split over `group.size` ranks."""
     config, size, rank = model.config, group.size, group.rank
-    local = local_config(config, size, rank)  # validates the head splits first
-    for what, n in (("intermediate_size", config.intermediate_size),
-                    ("moe_intermediate_size", config.moe_intermediate_size),
-                    ("shared_expert_intermediate_size", config.shared_expert_intermediate_size)):
-        if n % size:
-            raise ValueError(f"tensor_parallel_size {size} does not divide {what} {n}")
+    local = local_config(config, size, rank)  # validates every split first
     attn = split_heads(config.num_attention_heads, config.num_key_value_heads, size, rank,
                        "attention")
     gdn = split_heads(config.linear_num_value_heads, config.linear_num_key_heads, size, rank,
