@@ -65,6 +65,8 @@ class TPEngine(LLMEngine):
             if self.workers is not None:
                 self.workers.stop(graceful=False)
             raise
+        if self.workers is not None:
+            self.workers.watch(self._on_worker_exit)
         if self.spec is not None:
             self.spec = TPSpec(self.spec, self)
             self.policy = TPPolicy(self.policy, self)
@@ -166,8 +168,12 @@ class TPEngine(LLMEngine):
                 self.failure = "the engine was closed"
 
     def __del__(self) -> None:
-        if getattr(self, "workers", None) is not None and self.failure is None:
-            self.workers.stop(graceful=True)
+        workers = getattr(self, "workers", None)
+        if workers is not None and not workers.stopped:
+            try:  # at interpreter exit multiprocessing terminates daemon workers itself
+                workers.stop(graceful=False)
+            except Exception:
+                pass
 
     def _forward(self, msg) -> None:
         if self.rank != 0:
@@ -181,8 +187,17 @@ class TPEngine(LLMEngine):
             self._fail(str(e))
             raise
 
+    def _on_worker_exit(self, reason: str) -> None:
+        """The watchdog thread: a worker exited (only a string is set here; the engine's own
+        thread stops the others at its next call)."""
+        if self.failure is None:
+            self.failure = reason
+            logger.error("tensor parallel: %s", reason)
+
     def _check_alive(self) -> None:
         if self.failure is not None:
+            if self.workers is not None and not self.workers.stopped:
+                self.workers.stop(graceful=False)
             raise w.RankFailure(self.failure)
 
     def _fail(self, reason: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import threading
 import traceback
@@ -151,7 +152,7 @@ class Workers:
 
     def __init__(self, cfg: EngineConfig, size: int, port: int, timeout_s: float) -> None:
         ctx = multiprocessing.get_context("spawn")  # fork would copy rank 0's threads/CUDA
-        self.timeout_s = timeout_s
+        self.timeout_s, self.stopped = timeout_s, False
         self.procs, self.conns = [], []
         for rank in range(1, size):
             parent, child = ctx.Pipe(duplex=True)
@@ -163,9 +164,21 @@ class Workers:
             self.procs.append(proc)
             self.conns.append(parent)
 
+    def watch(self, on_exit: Callable[[str], None]) -> None:
+        """Call on_exit(why) from a daemon thread when a worker exits before stop()."""
+        def run() -> None:
+            multiprocessing.connection.wait([p.sentinel for p in self.procs])
+            if not self.stopped:
+                on_exit(self.dead() or "a tensor-parallel rank exited")
+
+        threading.Thread(target=run, name="deltaserve-tp-watchdog", daemon=True).start()
+
     def dead(self) -> str | None:
         """Why a worker is gone (`rank 2 (pid 123) exited with code -9`), or None."""
+        gone = multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=0)
         for rank, proc in enumerate(self.procs, start=1):
+            if proc.sentinel in gone:
+                proc.join(1.0)  # reap it: exitcode is None until then
             if proc.exitcode is not None:
                 return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code " \
                        f"{proc.exitcode}"
@@ -222,6 +235,7 @@ class Workers:
 
     def stop(self, graceful: bool) -> None:
         """Stop the workers (Stop message first when graceful), then terminate what is left."""
+        self.stopped = True
         if graceful:
             for conn in self.conns:
                 try:

@@ -83,6 +83,8 @@ class LLMEngine:
     (from the loader, naming the tensor).
     """
 
+    failure: str | None = None  # why the engine can serve no more (tensor parallel: a rank died)
+
     def __init__(self, cfg: EngineConfig) -> None:
         from deltaserve.model.loader import load_model
 
