@@ -68,7 +68,7 @@ def test_greedy_tokens_at_tp_equal_tp_1_with_a_prefix_cache_turn(checkpoints, ki
     ref, ref_cached, _ = two_turns(checkpoints[kind], 1)
     ours, cached, _ = two_turns(checkpoints[kind], tp)
     assert ours == ref
-    assert cached == ref_cached and all(c > 0 for c in cached)
+    assert cached == ref_cached and all(c > 0 for c in cached[1:])  # [0]: under 64 tokens
 
 
 def repeating_checkpoint(path, seed: int) -> str:
