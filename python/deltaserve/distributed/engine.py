@@ -17,6 +17,8 @@ import logging
 import warnings
 from typing import TYPE_CHECKING
 
+import torch
+
 from deltaserve.config import EngineConfig
 from deltaserve.distributed import worker as w
 from deltaserve.distributed.group import make_group, make_store
@@ -44,6 +46,10 @@ class TPEngine(LLMEngine):
         device, _ = resolve_device_dtype(cfg)
         if device.type == "cuda":
             cfg.device = f"cuda:{rank}"  # one GPU per rank
+            if torch.cuda.device_count() < size:
+                raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs, "
+                                 f"{torch.cuda.device_count()} are visible")
+            torch.cuda.set_device(rank)  # NCCL binds each rank's communicator to it
         # TODO(issue 31, GPU): capture decode graphs per rank (NCCL all-reduce in the graph)
         cfg.cuda_graphs = False
         if rank == 0:
