@@ -143,3 +143,33 @@ def test_a_killed_rank_fails_the_step_and_every_later_call_says_why(checkpoints)
 def test_a_model_whose_heads_do_not_split_is_refused_before_any_process_starts(checkpoints):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the 4"):
         LLM(checkpoints["qwen3_5_text"], tensor_parallel_size=3, **ENGINE)
+
+
+def forks_and_an_abort(path: str, tp: int) -> dict[int, list[int]]:
+    """Two choices of one prompt (prefilled once by a hidden parent), a request aborted after
+    its first step, and one that runs to the end; the tokens by rid, then the drain check."""
+    llm = LLM(path, tensor_parallel_size=tp, **ENGINE)
+    engine = llm.engine
+    try:
+        sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_NEW, ignore_eos=True)
+        greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        rids = engine.add_forks(random_tokens(100, seed=4), [greedy, sampled])
+        doomed = engine.add_request(random_tokens(90, seed=5), greedy)
+        kept = engine.add_request(random_tokens(30, seed=6), greedy)
+        tokens: dict[int, list[int]] = {}
+        engine.step()
+        assert engine.abort(doomed)
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+        assert sorted(tokens) == sorted([*rids, kept])
+        assert_drained(engine)
+        return tokens
+    finally:
+        if tp > 1:
+            engine.close()
+
+
+def test_forks_seeded_sampling_and_an_abort_stay_in_step_on_every_rank(checkpoints):
+    path = checkpoints["qwen3_5_text"]
+    assert forks_and_an_abort(path, 2) == forks_and_an_abort(path, 1)

@@ -42,6 +42,7 @@ class TPEngine(LLMEngine):
         cfg.validate()
         size, timeout = cfg.tensor_parallel_size, cfg.distributed_timeout_s
         self.rank, self.failure = rank, None
+        self._nested = False  # inside a forwarded call (abort)
         self.link, self.workers = link, None
         device, _ = resolve_device_dtype(cfg)
         if device.type == "cuda":
@@ -97,8 +98,16 @@ class TPEngine(LLMEngine):
         return rids
 
     def abort(self, rid: int) -> bool:
-        """Frees `rid` here; on a failed engine only here (the workers are gone)."""
-        found = super().abort(rid)
+        """Frees `rid` here; on a failed engine only here (the workers are gone). Only the
+        outermost call is forwarded: aborting a fork's last choice aborts its parent from
+        inside, and each worker's own call does the same."""
+        if self._nested:
+            return super().abort(rid)
+        self._nested = True
+        try:
+            found = super().abort(rid)
+        finally:
+            self._nested = False
         if self.failure is None:
             self._forward(w.Abort(rid))
         return found
