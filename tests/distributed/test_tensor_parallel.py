@@ -18,6 +18,8 @@ from deltaserve.model.testing import make_tiny_checkpoint
 from drained import assert_drained
 from token_ids import random_tokens
 
+pytestmark = pytest.mark.slow  # worker processes: ~10-40 s a test on 2 cores
+
 MAX_NEW = 12
 PROMPT_LENS = (7, 70, 150)
 ENGINE = dict(device="cpu", dtype="float32", num_pages=256, page_size=16, chunk_size=64,

@@ -9,6 +9,7 @@ import os
 import signal
 
 import httpx
+import pytest
 from live_server import MAX_MODEL_LEN, LiveServer
 
 from deltaserve.config import EngineConfig
@@ -17,6 +18,7 @@ from deltaserve.server.api import build_app
 from deltaserve.server.async_engine import AsyncEngine
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
+pytestmark = pytest.mark.slow  # a worker process
 
 
 def test_a_dead_rank_fails_the_stream_in_flight_and_health_reports_it(tiny_model):

@@ -51,7 +51,9 @@ class TPEngine(LLMEngine):
                 raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs, "
                                  f"{torch.cuda.device_count()} are visible")
             torch.cuda.set_device(rank)  # NCCL binds each rank's communicator to it
-        # TODO(issue 31, GPU): capture decode graphs per rank (NCCL all-reduce in the graph)
+        if cfg.cuda_graphs and device.type == "cuda" and rank == 0:
+            # TODO(issue 31, GPU): capture decode graphs per rank (NCCL all-reduce inside)
+            logger.warning("tensor parallel: CUDA graphs are not captured yet at TP > 1")
         cfg.cuda_graphs = False
         if rank == 0:
             check_split(cfg)  # before any process starts
