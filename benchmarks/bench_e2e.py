@@ -112,8 +112,8 @@ def main() -> None:
                     help="only the kernels per step and the host gap (fast)")
     ap.add_argument("--out", default="e2e.json")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
-                    help="ranks (one GPU each); every rank loads the whole model first, so "
-                         "with --config pass --layers that fit one GPU")
+                    help="ranks (one GPU each); --config's dummy weights are drawn at shard "
+                         "size (a --model checkpoint is loaded whole on each GPU first)")
     args = ap.parse_args()
     if args.config is not None and (args.anchor or args.model is not None):
         ap.error("--config has dummy weights: no --anchor (transformers needs a checkpoint) "

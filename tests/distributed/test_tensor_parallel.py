@@ -175,3 +175,22 @@ def forks_and_an_abort(path: str, tp: int) -> dict[int, list[int]]:
 def test_forks_seeded_sampling_and_an_abort_stay_in_step_on_every_rank(checkpoints):
     path = checkpoints["qwen3_5_text"]
     assert forks_and_an_abort(path, 2) == forks_and_an_abort(path, 1)
+
+
+def test_a_dummy_model_is_drawn_at_shard_size_on_each_rank(checkpoints):
+    # what lets a model larger than one GPU be benchmarked: only the shard is ever allocated
+    path = checkpoints["qwen3_5_moe_text"]
+    whole = LLM(path, load_format="dummy", **ENGINE).engine.model
+    llm = LLM(path, load_format="dummy", tensor_parallel_size=2, **ENGINE)
+    try:
+        shard = llm.engine.model
+        n_whole = sum(p.numel() for p in whole.parameters())
+        n_shard = sum(p.numel() for p in shard.parameters())
+        assert n_shard < 0.55 * n_whole  # norms, router and MTP fc are replicated
+        assert shard.embed_tokens.weight.shape[0] == whole.config.vocab_size // 2
+        (out,) = llm.generate([random_tokens(80, seed=8)],
+                              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        assert len(out.token_ids) == 6
+        assert_drained(llm.engine)
+    finally:
+        llm.engine.close()

@@ -80,9 +80,28 @@ class TPEngine(LLMEngine):
             self.spec = TPSpec(self.spec, self)
             self.policy = TPPolicy(self.policy, self)
 
-    def _build_caches(self) -> None:
-        shard_model(self.model, self.group)  # before the pools: they take the local heads
-        super()._build_caches()
+    def _load_model(self, path: str):
+        """The whole checkpoint, then this rank's shard of it; with load_format dummy the
+        model is sharded while it has no storage (meta) and only the shard is drawn, so a
+        model larger than one GPU is built (its weights differ from TP 1's: seed + rank)."""
+        if self.cfg.load_format != "dummy":
+            model = super()._load_model(path)
+            shard_model(model, self.group)
+            return model
+        from deltaserve.model.config import ModelConfig
+        from deltaserve.model.dummy import fill_dummy
+        from deltaserve.model.prepare import prepare_weights
+        from deltaserve.model.qwen3_5 import Model
+
+        config = ModelConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = Model(config).to(self.dtype)
+            shard_model(model, self.group)
+        model = model.to_empty(device=self.device)
+        model.rotary.reset_inv_freq()
+        fill_dummy(model, self.cfg.seed + self.rank)
+        prepare_weights(model)
+        return model.requires_grad_(False).eval()
 
     # ---- calls forwarded to the workers (rank 0) ---------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
