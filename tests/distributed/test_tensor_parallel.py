@@ -1,7 +1,7 @@
 """Tensor parallel on CPU (gloo): greedy tokens at TP = 2 and 4 equal TP = 1 in fp32 for tiny
 dense, MoE and Qwen3-Next checkpoints, with a second turn that hits the prefix cache, with
 n-gram and MTP speculation; every rank's pools are free after flush; a killed rank fails the
-step cleanly. Each TP engine starts real worker processes (~10-20 s on 2 cores): keep few."""
+step cleanly. Each TP engine starts real worker processes (seconds on 2 cores): keep few."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from deltaserve.model.testing import make_tiny_checkpoint
 from drained import assert_drained
 from token_ids import random_tokens
 
-pytestmark = pytest.mark.slow  # worker processes: ~10-40 s a test on 2 cores
+pytestmark = pytest.mark.slow  # worker processes: 4-9 s a test on 2 idle cores
 
 MAX_NEW = 12
 PROMPT_LENS = (7, 70, 150)
