@@ -111,6 +111,9 @@ def main() -> None:
     ap.add_argument("--step-only", action="store_true",
                     help="only the kernels per step and the host gap (fast)")
     ap.add_argument("--out", default="e2e.json")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks (one GPU each); --config's dummy weights are drawn at shard "
+                         "size (a --model checkpoint is loaded whole on each GPU first)")
     args = ap.parse_args()
     if args.config is not None and (args.anchor or args.model is not None):
         ap.error("--config has dummy weights: no --anchor (transformers needs a checkpoint) "
@@ -132,6 +135,7 @@ def main() -> None:
         else:
             path, res["params"], args.vocab = given_checkpoint(args.model)
             args.hidden = args.layers = 0  # not used: the checkpoint's own
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
         t_load = time.perf_counter()
         llm = LLM(path, **kwargs)
         if args.config is not None:

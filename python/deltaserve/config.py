@@ -45,6 +45,8 @@ class EngineConfig:
     speculative_policy: str = "adaptive"  # fixed: always k drafts; adaptive: k or 0 per step
     radix_lookahead: bool | None = None  # lookahead radix keys; None: on exactly for mtp
     cuda_graphs: bool = True
+    tensor_parallel_size: int = 1  # worker processes (one per GPU); > 1: deltaserve/distributed
+    distributed_timeout_s: float = 120.0  # a collective or a rank's answer waits at most this
     log_every: int = 0  # step log line every N steps; 0 = off
 
     def resolve_speculation(self) -> None:
@@ -102,6 +104,10 @@ class EngineConfig:
             raise ValueError("seed must be in [-2**63, 2**64) (torch.manual_seed's range)")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError("distributed_timeout_s must be > 0")
         if self.max_running_reqs < 1:
             raise ValueError("max_running_reqs must be >= 1")
         if self.load_format not in ("auto", "dummy"):

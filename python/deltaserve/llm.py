@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 
 from deltaserve.config import EngineConfig
 from deltaserve.core import SamplingParams
-from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.distributed import create_engine
 from deltaserve.engine.logprobs import TokenLogprob
 
 
@@ -40,7 +40,7 @@ class LLM:
             raise TypeError(f"unknown engine options: {sorted(unknown)}")
         if isinstance(model, os.PathLike):  # a pathlib.Path folder is as good as its string
             model = os.fspath(model)
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.engine = create_engine(EngineConfig(model=model, **kwargs))
 
     @property
     def tokenizer(self):

@@ -84,9 +84,9 @@ class LLMEngine:
     (from the loader, naming the tensor).
     """
 
-    def __init__(self, cfg: EngineConfig) -> None:
-        from deltaserve.model.loader import load_model
+    failure: str | None = None  # why the engine can serve no more (tensor parallel: a rank died)
 
+    def __init__(self, cfg: EngineConfig) -> None:
         cfg.validate()
         cfg.resolve_speculation()
         if cfg.radix_lookahead is None:
@@ -103,8 +103,7 @@ class LLMEngine:
         self.model_name = cfg.model or "deltaserve-default"
         self.device, self.dtype = resolve_device_dtype(cfg)
         torch.manual_seed(cfg.seed)
-        self.model = load_model(path, self.dtype, self.device, load_format=cfg.load_format,
-                                seed=cfg.seed)
+        self.model = self._load_model(path)
         self.tokenizer = load_tokenizer(path)
         mc = self.model.config
         if self.device.type == "cuda" and mc.linear_key_head_dim not in KERNEL_HEAD_DIMS:
@@ -342,7 +341,7 @@ class LLMEngine:
         else:
             rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.sample_seed)
                     for r in out.owners]
-            tokens = sample_rows(out.logits, rows, greedy) if rows else []
+            tokens = self._sample_rows(out.logits, rows, greedy) if rows else []
             sampled = {}
             for req, tok in zip(out.owners, tokens):
                 sampled.setdefault(req.rid, []).append(tok)
@@ -374,6 +373,16 @@ class LLMEngine:
             if req.finished:
                 self._reqs.pop(req.rid, None)
         return self.forks.on_outputs(outputs)
+
+    def _load_model(self, path: str):
+        from deltaserve.model.loader import load_model
+
+        return load_model(path, self.dtype, self.device, load_format=self.cfg.load_format,
+                          seed=self.cfg.seed)
+
+    def _sample_rows(self, logits, rows: list[SamplingRow], greedy) -> list[int]:
+        """One token per logits row (tensor parallel: rank 0 samples, distributed/engine.py)."""
+        return sample_rows(logits, rows, greedy)
 
     def _commit_verify(self, batch, counts: list[int]) -> None:
         self.runner.commit_verify(counts)

@@ -46,6 +46,11 @@ class MTPHead(nn.Module):
                          mlp_index=base + i)
             for i in range(num_layers))
         self.norm = RMSNorm(hidden, eps)
+        self.share(embed_tokens, rotary)
+
+    def share(self, embed_tokens: nn.Module, rotary: RotaryEmbedding) -> None:
+        """Hold the target's embedding and RoPE (again after tensor-parallel sharding swaps
+        the embedding for its vocab-parallel form)."""
         self._shared = (embed_tokens, rotary)  # a tuple: not registered as submodules
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,

@@ -7,6 +7,7 @@ Source: transformers' `Qwen3_5TextModel` / `Qwen3NextModel` and their `*ForCausa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,12 +51,19 @@ class Model(nn.Module):
         if num_mtp_layers is None:
             num_mtp_layers = config.mtp_num_hidden_layers
         self.mtp: MTPHead | None = None
+        # tensor parallel (distributed/shard.py): logits shard [T, V/tp] -> [T, V]
+        self.vocab_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         if num_mtp_layers > 0:
             self.mtp = MTPHead(config, num_mtp_layers, self.embed_tokens, self.rotary)
 
     @property
     def config(self) -> ModelConfig:
         return self._config
+
+    def shard_config(self, local: ModelConfig) -> None:
+        """After tensor-parallel sharding (distributed/shard.py): `config` reports this rank's
+        head counts and intermediate sizes, which the caches are sized from."""
+        self._config = local
 
     @property
     def gdn_layers(self) -> list[GatedDeltaNet]:
@@ -97,4 +105,5 @@ class Model(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> logits [T, vocab] fp32 (matmul in the model dtype, then cast)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
+        return logits if self.vocab_gather is None else self.vocab_gather(logits)

@@ -179,9 +179,13 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        """True while the loop thread runs and accepts requests."""
+        """True while the loop thread runs and accepts requests, and the engine can serve
+        (a tensor-parallel engine whose rank died cannot, even while idle)."""
         with self._cond:
-            return self._thread.is_alive() and not self._stopping
+            running = self._thread.is_alive() and not self._stopping
+            if running and self.engine.failure is not None and self.failure is None:
+                self.failure = f"the engine cannot serve: {self.engine.failure}"
+            return running and self.engine.failure is None
 
     @property
     def num_inflight(self) -> int:

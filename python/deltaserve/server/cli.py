@@ -53,6 +53,10 @@ _HELP = {
                           "runs k drafts or a plain decode, whichever the measured step costs "
                           "and running acceptance say is faster)",
     "cuda_graphs": "run decode without CUDA graphs",
+    "tensor_parallel_size": "worker processes the model is sharded over (one per GPU; gloo on "
+                            "a CPU); rank 0 schedules",
+    "distributed_timeout_s": "seconds a tensor-parallel collective or rank may take before "
+                             "the engine declares the rank dead",
     "log_every": "log a step line every N steps (0: off)",
     "seed": "engine random seed",
 }
@@ -170,10 +174,10 @@ def _add_log_level(command: argparse.ArgumentParser) -> None:
 
 def _make_engine(args: argparse.Namespace):
     """LLMEngine from the flags; a bad flag or checkpoint exits with one clear line."""
-    from deltaserve.engine.llm_engine import LLMEngine
+    from deltaserve.distributed import create_engine
 
     try:
-        return LLMEngine(engine_config(args))
+        return create_engine(engine_config(args))
     except ValueError as e:
         raise SystemExit(f"deltaserve: error: {e}") from e
 
