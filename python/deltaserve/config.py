@@ -45,6 +45,7 @@ class EngineConfig:
     speculative_policy: str = "adaptive"  # fixed: always k drafts; adaptive: k or 0 per step
     radix_lookahead: bool | None = None  # lookahead radix keys; None: on exactly for mtp
     cuda_graphs: bool = True
+    mtp_cuda_graphs: bool = True  # with cuda_graphs: the MTP catch-up + drafts as graphs too
     log_every: int = 0  # step log line every N steps; 0 = off
 
     def resolve_speculation(self) -> None:

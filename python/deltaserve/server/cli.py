@@ -53,6 +53,8 @@ _HELP = {
                           "runs k drafts or a plain decode, whichever the measured step costs "
                           "and running acceptance say is faster)",
     "cuda_graphs": "run decode without CUDA graphs",
+    "mtp_cuda_graphs": "run the MTP proposer's catch-up and draft steps eagerly (the target's "
+                       "steps keep their CUDA graphs)",
     "log_every": "log a step line every N steps (0: off)",
     "seed": "engine random seed",
 }

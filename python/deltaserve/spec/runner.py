@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+import torch
+
 from deltaserve.engine.sampling import SamplingRow, is_plain_greedy
+from deltaserve.engine.staging import to_device
+from deltaserve.spec.accept import accept_greedy_rows, pack_for_host
 from deltaserve.spec.proposer import Proposer
-from deltaserve.spec.rejection import accept_drafts, accept_greedy
+from deltaserve.spec.rejection import accept_drafts
 
 if TYPE_CHECKING:
-    import torch
-
     from deltaserve.config import EngineConfig
     from deltaserve.core import Batch, Req
 
@@ -48,9 +51,17 @@ class SpecRunner:
         raise ValueError(f"unknown speculative algorithm {cfg.speculative_algorithm!r}; "
                          "supported: mtp, ngram")
 
+    def use_graphs(self, max_reqs: int, max_kv_len: int, capture: bool = True) -> None:
+        self.proposer.use_graphs(max_reqs, max_kv_len, capture)
+
     def propose(self, batch: Batch) -> None:
         k = self.num_steps
         drafts = self.proposer.propose(batch.reqs)
+        if isinstance(drafts, torch.Tensor):  # k drafts per request, left on the device
+            batch.draft_tensor, batch.draft_ids = drafts, None
+            batch.num_drafts = [k] * batch.size
+            return
+        batch.draft_tensor = None
         batch.draft_ids, batch.num_drafts = [], []
         for req, d in zip(batch.reqs, drafts):
             d = list(d[:k])
@@ -61,20 +72,36 @@ class SpecRunner:
     def accept(self, batch: Batch, logits: torch.Tensor,
                greedy: torch.Tensor | None = None) -> dict[int, list[int]]:
         """Tokens each request commits, from the verify logits [B * (k+1), V]. Plain-greedy
-        requests are decided by one argmax over every row (`greedy` when the step computed it;
-        one device->host copy per step); the others row by row (their rows depend on the
-        drafts before them)."""
-        rows = self.num_steps + 1
+        requests are decided on the device from one argmax over every row (`greedy` when the
+        step computed it), with one device->host copy per step of the accepted counts and
+        tokens (spec/accept.py; the drafts ride along when other requests need them on the
+        host); the others row by row (their rows depend on the drafts before them)."""
+        k, rows = self.num_steps, self.num_steps + 1
         plain = [is_plain_greedy(req.params) for req in batch.reqs]
-        if greedy is None and any(plain):
-            greedy = logits.argmax(dim=-1)
-        best = greedy.tolist() if any(plain) else []
+        packed: list[list[int]] = []
+        if any(plain):
+            if greedy is None:
+                greedy = logits.argmax(dim=-1)
+            dev = greedy.device
+            drafts_t = batch.draft_tensor if batch.draft_ids is None else None
+            if drafts_t is None:
+                drafts_t = to_device(np.asarray(batch.draft_ids, dtype=np.int64).reshape(-1),
+                                     torch.long, dev).view(batch.size, k)
+            num = None
+            if any(n != k for n in batch.num_drafts):
+                num = to_device(batch.num_drafts, torch.long, dev)
+            accepted = accept_greedy_rows(greedy, drafts_t, num)
+            ship = drafts_t if batch.draft_ids is None and not all(plain) else None
+            packed = pack_for_host(accepted, greedy, ship)
+            if ship is not None:
+                batch.draft_ids = [row[k + 2:] for row in packed]
         out = {}
         for i, req in enumerate(batch.reqs):
-            drafts = batch.draft_ids[i][:batch.num_drafts[i]]
             if plain[i]:
-                out[req.rid] = accept_greedy(best[i * rows:(i + 1) * rows], drafts)
+                a = packed[i][0]
+                out[req.rid] = packed[i][1:a + 2]
                 continue
+            drafts = batch.host_drafts()[i][:batch.num_drafts[i]]
             base = SamplingRow(req.params, req.prompt_ids, req.output_ids, req.generator)
             out[req.rid] = accept_drafts(logits[i * rows:(i + 1) * rows], base, drafts)
         return out

@@ -1,0 +1,40 @@
+"""Greedy acceptance on the device: one device->host copy per verify step.
+
+For a plain-greedy request (no penalties) the token of verify row j is the argmax of that row
+alone, so the whole acceptance is a comparison of the drafts with the rows' argmax: the number
+of leading drafts equal to their row's argmax is a, and the request commits the argmax of rows
+0..a (the accepted drafts, then the first disagreeing target or the bonus token). This is
+`rejection.accept_greedy` with one-hot drafts (Leviathan et al. 2023, Algorithm 1, at
+temperature 0), computed for every request at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accept_greedy_rows(greedy: torch.Tensor, drafts: torch.Tensor,
+                       num_drafts: torch.Tensor | None = None) -> torch.Tensor:
+    """Accepted drafts per request, on the device.
+
+    greedy int64 [N * (k+1)] (or [N, k+1]): the argmax of each verify row; drafts int64 [N, k];
+    num_drafts int64 [N] (None: all k are real): drafts past it pad the rows and are never
+    accepted. Returns int64 [N] in 0..num_drafts: request i commits greedy[i, :a_i + 1].
+    """
+    n, k = drafts.shape
+    targets = greedy.view(n, k + 1)
+    match = drafts == targets[:, :k]
+    if num_drafts is not None:
+        match &= torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]
+    return match.long().cumprod(dim=1).sum(dim=1)
+
+
+def pack_for_host(accepted: torch.Tensor, greedy: torch.Tensor,
+                  drafts: torch.Tensor | None) -> list[list[int]]:
+    """One copy to the host: per request [a, targets of rows 0..k, then the k drafts when
+    `drafts` is given] (accepted [N], greedy [N * (k+1)], drafts [N, k])."""
+    n = accepted.shape[0]
+    parts = [accepted[:, None], greedy.view(n, -1)]
+    if drafts is not None:
+        parts.append(drafts)
+    return torch.cat(parts, dim=1).tolist()
