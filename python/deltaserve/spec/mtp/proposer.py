@@ -66,6 +66,8 @@ class MTPProposer(Proposer):
         self.states: dict[int, _ReqState] = {}
         self._verify_hidden: torch.Tensor | None = None
         self.graphs: MTPGraphs | None = None  # set by use_graphs
+        # a finished request's draft KV matters only to the prefix cache
+        self.cache_draft_kv = cfg.enable_prefix_cache
 
     def use_graphs(self, max_reqs: int, max_kv_len: int, capture: bool = True) -> None:
         """Run verify steps' catch-up and drafts as graphs of up to max_reqs requests and
@@ -85,7 +87,14 @@ class MTPProposer(Proposer):
             st = self.states.setdefault(req.rid, _ReqState(mtp_len=req.device_len))
             st.pending.append(_Rows(hidden, off, n))
             off += n
-        self._catch_up(batch.reqs)
+        reqs = batch.reqs
+        if self.graphs is not None and batch.phase is Phase.DECODE:
+            # a plain decode step runs no proposer: its rows wait for the next verify's graph,
+            # unless that would leave more than k+1 rows to catch up (then all known rows now)
+            reqs = [r for r in reqs if r.device_len - self.states[r.rid].mtp_len
+                    >= self.num_steps + 1]
+        if reqs:
+            self._catch_up(reqs)
 
     def on_commit(self, batch: Batch, committed: list[int]) -> None:
         rows = batch.rows_per_req
@@ -93,11 +102,16 @@ class MTPProposer(Proposer):
             if c and req.rid in self.states:
                 self.states[req.rid].pending.append(_Rows(self._verify_hidden, i * rows, c))
         self._verify_hidden = None
-        if self.graphs is None:  # else the next verify's graph catches these rows up
-            self._catch_up([r for r, c in zip(batch.reqs, committed) if c])
+        # with graphs the next verify's replay catches these rows up; a request that finished
+        # in this step catches up here, with the others, when the prefix cache keeps its KV
+        todo = [r for r, c in zip(batch.reqs, committed)
+                if c and (self.graphs is None or (r.finished and self.cache_draft_kv))]
+        if todo:
+            self._catch_up(todo)
 
     def release(self, req: Req) -> None:
-        if req.finish_reason is not FinishReason.ABORT and req.rid in self.states:
+        if req.finish_reason is not FinishReason.ABORT and req.rid in self.states \
+                and self.cache_draft_kv:
             self._catch_up([req])  # the cache keeps this request's draft KV: make it exact
         self.states.pop(req.rid, None)
 
@@ -147,10 +161,10 @@ class MTPProposer(Proposer):
             st = self.states.get(req.rid)
             if st is None or not st.pending:
                 continue
-            have = torch.cat([p.src[p.start:p.start + p.n] for p in st.pending])
-            n = min(have.shape[0], req.num_tokens - 1 - st.mtp_len)
+            n = min(sum(p.n for p in st.pending), req.num_tokens - 1 - st.mtp_len)
             if n <= 0:
                 continue
+            have = torch.cat([p.src[p.start:p.start + p.n] for p in st.pending])
             todo.append(req)
             starts.append(st.mtp_len)
             lens.append(n)
