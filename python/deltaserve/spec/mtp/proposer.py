@@ -200,22 +200,26 @@ class MTPProposer(Proposer):
             if not 1 <= n <= rows or sum(p.n for p in st.pending) != n:
                 return None
             states.append(st)
-        sources: dict[int, int] = {}  # id(src) -> row offset in the concatenated sources
-        srcs: list[torch.Tensor] = []
+        # steady state: every row comes from the previous verify's hidden states (one source,
+        # gathered in place); otherwise only the pending rows are concatenated (a prefill
+        # chunk's hidden states can be thousands of rows)
+        single = len({id(p.src) for st in states for p in st.pending}) == 1
+        pieces: list[torch.Tensor] = []
+        total = 0  # rows in pieces
         ids = np.zeros(b * rows, dtype=np.int64)
         gather = np.zeros(b * rows, dtype=np.int64)
         for i, (req, st) in enumerate(zip(reqs, states)):
-            n = req.device_len - st.mtp_len
-            ids[i * rows:i * rows + n] = req.tokens(st.mtp_len + 1, req.device_len + 1)
+            ids[i * rows:i * rows + req.device_len - st.mtp_len] = req.tokens(
+                st.mtp_len + 1, req.device_len + 1)
             row = i * rows
             for p in st.pending:
-                if id(p.src) not in sources:
-                    sources[id(p.src)] = sum(s.shape[0] for s in srcs)
-                    srcs.append(p.src)
-                base = sources[id(p.src)] + p.start
+                base = p.start if single else total
+                if not single:
+                    pieces.append(p.src[p.start:p.start + p.n])
+                    total += p.n
                 gather[row:row + p.n] = np.arange(base, base + p.n)
                 row += p.n
-        src = srcs[0] if len(srcs) == 1 else torch.cat(srcs)
+        src = states[0].pending[0].src if single else torch.cat(pieces)
         starts = [st.mtp_len for st in states]
         counts = [r.device_len - st.mtp_len for r, st in zip(reqs, states)]
         drafts = self.graphs.run(b, ids, gather, starts, counts, [r.page_table for r in reqs],
