@@ -4,7 +4,9 @@
 #      for sm_90 (device code only, -cubin);
 #   2. the same instantiation for HIP gfx1151 (wave32) with Debian's clang-19
 #      (--cuda-device-only -S, BUILD.md), installing clang-19 + HIP headers when missing;
-#   3. tests/csrc/fastdiv_check.cu built for the host with nvcc and run (FastDiv against / and %).
+#   3. tests/csrc/fastdiv_check.cu built for the host with nvcc and run (FastDiv against / and %);
+#   4. tests/csrc/mma_check.cu built with the host compiler for the CPU emulation and run
+#      (mma_16816's portable form against the fragment layout compat.cuh documents).
 # Exits non-zero on any compile error. Idempotent; about a minute on 2 cores.
 set -euo pipefail
 
@@ -88,6 +90,14 @@ if [[ -x "$NVCC" ]]; then
     || { echo "FAIL FastDiv host check"; status=1; }
 else
   echo "FAIL nvcc not found at $NVCC (set CUDA_HOME)"; status=1
+fi
+
+if command -v c++ > /dev/null; then
+  c++ -x c++ -std=c++17 -O1 -DDS_EMU=1 -ffp-contract=off -Wno-unknown-pragmas -I"$ROOT/csrc" \
+    "$ROOT/tests/csrc/mma_check.cu" -o "$WORK/mma_check" && "$WORK/mma_check" \
+    || { echo "FAIL mma_16816 emulated check"; status=1; }
+else
+  echo "FAIL no host c++ compiler for tests/csrc/mma_check.cu"; status=1
 fi
 
 if ! command -v clang++-19 > /dev/null || [[ ! -f /usr/include/hip/hip_runtime.h ]]; then

@@ -8,7 +8,8 @@ Timing: CUDA events around CUDA-graph replays (a chain of `--chain` calls, disti
 output buffers over one layer's pool), median of >= 50 replays after warm-up, divided by the
 chain length. The graph is captured for max_kv_len = 40,960 (a served max_model_len), as the
 engine's graphs are, so the split grid is the one the engine runs. Columns:
-  kernel: ops.paged_attention (the split kernel plus its merge);
+  kernel: ops.paged_attention (the split kernel plus its merge); with --append, the engine's
+    whole decode/verify step: ops.kv_append of the rows' K/V, then the attention;
   ideal: KV bytes read (K and V of every position) / the copy bandwidth of an eager 4 GiB fp32
     `b.copy_(a)` (bytes read + written) measured in the same run (TARGETS.md);
   gather: today's prefill path run on the same rows (flat-index gather of each request's
@@ -29,7 +30,7 @@ from bench_kernels import copy_bandwidth, graph_us  # the same timing as the GDN
 
 from deltaserve.engine.attention import AttentionMetadata, PagedAttentionBackend, PagedKVCache
 from deltaserve.ops._ext import extension_loaded
-from deltaserve.ops.attention import paged_attention
+from deltaserve.ops.attention import kv_append, paged_attention
 
 HQ, HKV, D = 8, 2, 256
 MAX_KV_LEN = 40_960
@@ -48,14 +49,18 @@ def make_pool(batch: int, ctx: int, page_size: int, gen: torch.Generator):
 
 
 def bench_case(batch: int, ctx: int, rows: int, page_size: int, chain: int, copy_gbps: float,
-               gather_gb: float, gen: torch.Generator) -> dict:
+               gather_gb: float, gen: torch.Generator, append: bool = False) -> dict:
     kv, table = make_pool(batch, ctx, page_size, gen)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qs = [torch.randn(batch, rows, HQ, D, device="cuda", generator=gen).bfloat16()
           for _ in range(chain)]
     outs = [None] * chain
 
+    k_rows = torch.randn(batch * rows, HKV, D, device="cuda", generator=gen).bfloat16()
+
     def call(i):
+        if append:  # the step's own rows: the last `rows` positions of each request
+            kv_append(k_rows, k_rows, kv.k[0], kv.v[0], table, lens)
         outs[i] = paged_attention(qs[i], kv.k[0], kv.v[0], table, lens, D ** -0.5, MAX_KV_LEN)
 
     kernel = graph_us([lambda i=i: call(i) for i in range(chain)], chain)
@@ -88,6 +93,7 @@ def main() -> None:
     ap.add_argument("--page-sizes", default="16,64")
     ap.add_argument("--chain", type=int, default=8)
     ap.add_argument("--gather-gb", type=float, default=24.0)
+    ap.add_argument("--append", action="store_true", help="time kv_append + attention")
     args = ap.parse_args()
     assert extension_loaded(), "deltaserve._C is not built: nothing to measure"
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -102,7 +108,7 @@ def main() -> None:
                 decode_us = None
                 for rows in (int(x) for x in args.rows.split(",")):
                     row = bench_case(b, ctx, rows, ps, args.chain, copy_gbps, args.gather_gb,
-                                     gen)
+                                     gen, args.append)
                     torch.cuda.empty_cache()  # this case's pool and graphs are gone
                     if rows == 1:
                         decode_us = row["kernel_us"]

@@ -41,7 +41,9 @@ done
 # more builds-with-environments, e.g. AB_CONFIGS="rows1=build/ab/ref/python,DS_GDN_ROWS=1"
 for c in ${AB_CONFIGS:-}; do configs+=(--config "$c"); done
 # shellcheck disable=SC2086  # AB_ARGS is a list of options
-timeout -s KILL "${AB_TIMEOUT:-300}" python3 benchmarks/ab_gdn.py "${configs[@]}" ${AB_ARGS:-} \
+# AB_SCRIPT=ab_attention.py times the paged attention kernels instead (same --config syntax)
+ab=${AB_SCRIPT:-ab_gdn.py}
+timeout -s KILL "${AB_TIMEOUT:-300}" python3 "benchmarks/$ab" "${configs[@]}" ${AB_ARGS:-} \
   --out "$OUT/ab.json" > "$OUT/ab.log" 2>&1
-echo "ab_gdn (exit $?), ${SECONDS}s:"
+echo "$ab (exit $?), ${SECONDS}s:"
 tail -60 "$OUT/ab.log"

@@ -6,7 +6,10 @@
 // sits at position kv_lens[n] - R + r and sees positions 0 .. kv_lens[n] - R + r (causal among
 // the rows; decode is R = 1). Math: softmax(scale * q k^T) v with fp32 scores, an fp32 running
 // max / sum (the online softmax of Milakov & Gimelshein, "Online normalizer calculation for
-// softmax", 2018) and fp32 accumulation, in base 2 (scale pre-multiplied by log2 e).
+// softmax", 2018) and fp32 accumulation, in base 2 (scale pre-multiplied by log2 e). q k^T and
+// p v run as 16 x 8 x 16 MMAs with 16-bit inputs: the probabilities p are rounded to T for the
+// second (as FlashAttention-2 does), and the row sum adds the rounded values, so the output is
+// the exact weighted mean under the weights used.
 //
 // Split-KV ("flash-decoding", Dao et al. 2023): the grid is (split, q-head block, request); a
 // block attends one request's q rows of `heads_per_block` q heads (one kv head) over one split
@@ -25,14 +28,15 @@ namespace attn {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / kWarp;
-constexpr int kTile = kWarp;  // positions staged at a time: one per lane in the score phase
-constexpr int kMaxBlockRows = 16;  // q rows (heads x rows) one block holds: 4 per warp
+constexpr int kTile = 32;  // positions staged at a time: 8 per warp in the score phase
+constexpr int kMaxBlockRows = 16;  // q rows (heads x rows) one block holds: the MMA's M
 constexpr int kMinSplit = kTile;   // the smallest split (positions)
-// Blocks per multiprocessor the grid aims for: what stays resident on an H100/H200 (the 1- and
-// 2-rows-per-warp kernels take <= 127 registers a thread, the 4-rows one 168; 36-44 KB of
-// shared memory each), so the whole grid runs as one wave, with no tail of a second one.
-constexpr int kBlocksPerSm = 4;
-constexpr int kBlocksPerSmWide = 3;  // the 4-rows-per-warp kernel
+// Blocks per multiprocessor the grid aims for, so the whole grid runs as one resident wave (no
+// tail of a second one), and the kernel's launch bound: at D = 256 a block takes 44 KB of static
+// shared memory and 168 registers a thread (sm_90; 128 would spill), so 3 stay resident on an
+// H100/H200; at D <= 128, 127 registers and <= 23 KB: 4. DS_ATTN_BLOCKS_PER_SM overrides the
+// grid's figure (A/B runs: fewer, longer splits merge less, more hide more latency).
+constexpr int blocks_per_sm(int D) { return D >= 256 ? 3 : 4; }
 
 struct PagedAttnParams {
   const void* q;              // [N, R, Hq, D] T, dense
@@ -84,12 +88,6 @@ DS_HOST_DEVICE Split split_plan(int len, int max_splits) {
   return Split{static_cast<int>(per), static_cast<int>(ceil_div(len, per))};
 }
 
-DS_DEVICE float warp_max(float v) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) v = fmaxf(v, shfl_xor(v, off));
-  return v;
-}
-
 DS_DEVICE float neg_inf() { return __uint_as_float(0xff800000u); }
 
 // One 16-byte word of a K or V row.
@@ -97,27 +95,41 @@ using Word16 = uint4;
 DS_DEVICE Word16 load16(const void* p) { return *static_cast<const uint4*>(p); }
 DS_DEVICE void store16(void* p, const Word16& w) { *static_cast<uint4*>(p) = w; }
 
-// T a 16-bit float type (bf16 / f16); D 64, 128 or 256; RPW q rows per warp (1, 2 or 4): warp w
-// owns block rows w, w + kWarps, ... (row qr = local head * R + r).
-// Score phase: lane l scores position t0 + l against each of its warp's rows (K rows in shared
-// memory padded by 16 bytes, so the 8 lanes of one 16-byte access phase hit distinct banks).
-// Value phase: lane l owns output elements [l * D / kWarp, (l + 1) * D / kWarp) of its rows.
-// The next tile's K/V words are loaded into registers while the current tile is computed.
-template <typename T, int D, int RPW>
-__global__ void __launch_bounds__(kThreads) paged_attn_kernel(const PagedAttnParams p) {
+// T a 16-bit float type (bf16 / f16); D 64, 128 or 256. The block's q rows (qr = local head * R
+// + r, at most kMaxBlockRows, padded with zero rows to 16) are the M = 16 of warp-level
+// 16 x 8 x 16 MMAs (mma_16816: tensor cores), so 4 rows (decode, GQA 4) and 16 (verify R = 4)
+// cost the same math and read each K/V position once for all of them.
+// Per tile of kTile positions:
+//   scores: warp w computes S[16 rows][8 positions 8w ..] over all of D (D / 16 MMAs);
+//   softmax: the tile's row max through shared memory, so every warp rescales with the same
+//     running max; P = 2^(S - m) rounded to T goes to shared memory, and each warp keeps its
+//     own part of the row sums (the sum of its positions' rounded P: the weights used);
+//   values: warp w computes O[16 rows][D / 4 columns w ..] += P[16][kTile] V[kTile][cols].
+// K/V rows sit in shared memory 16 bytes over D (so the 8 rows one fragment load touches start 4
+// banks apart: no conflicts). The next tile's K/V words are loaded into registers while this
+// tile is computed, and the page ids of the tile after it before that (so the K/V loads never
+// wait on a page-table read).
+template <typename T, int D>
+__global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
+    paged_attn_kernel(const PagedAttnParams p) {
   static_assert(sizeof(T) == 2, "16-bit KV only");
+  static_assert(kTile == 8 * kWarps && kTile % 16 == 0, "one n8 tile of scores per warp");
   constexpr int kChunk = 8;                      // elements per 16-byte word
   constexpr int kRowWords = D / kChunk;          // 16-byte words per K/V row
   constexpr int kLoads = kTile * kRowWords / kThreads;  // words per thread per tile, K and V each
-  constexpr int kLane = D / kWarp;               // output elements per lane
+  constexpr int kPitch = D + kChunk;             // shared row pitch (elements)
+  constexpr int kCols = D / kWarps;              // output columns per warp
+  constexpr int kNT = kCols / 8;                 // n8 tiles of output per warp
+  constexpr int kM = kMaxBlockRows;
+  static_assert(kM == 16, "the MMA's M");
   static_assert(kLoads * kThreads == kTile * kRowWords, "whole tiles per block");
-  // D = 64 (the default model) leaves 4 bytes of V a lane: loaded element by element
-  constexpr bool kWordLane = kLane * sizeof(T) % 8 == 0;
-  __shared__ __align__(16) T q_s[kWarps * RPW][D];
-  __shared__ __align__(16) T k_s[kTile][D + kChunk];
-  __shared__ __align__(16) T v_s[kTile][D];
-  __shared__ float p_s[kWarps * RPW][kTile];
+  __shared__ __align__(16) T q_s[kM][kPitch];
+  __shared__ __align__(16) T k_s[kTile][kPitch];
+  __shared__ __align__(16) T v_s[kTile][kPitch];
+  __shared__ __align__(16) T p_s[kM][kTile + kChunk];
+  __shared__ float red_s[kWarps][kM];
 
+  grid_dependency_wait();  // q and the appended K/V rows come from the kernels before
   const int split = blockIdx.x, n = blockIdx.z;
   const int R = p.R;
   const int len = usable_len(p.kv_lens[n], p.page_size, p.max_pages);
@@ -129,18 +141,27 @@ __global__ void __launch_bounds__(kThreads) paged_attn_kernel(const PagedAttnPar
   const int h0 = blockIdx.y * p.heads_per_block;
   const int kvh = h0 / (p.Hq / p.Hkv);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int g = lane / 4, t = lane % 4;  // the MMA fragments' row group and column pair
 
   const T* q = static_cast<const T*>(p.q);
-  for (int i = threadIdx.x; i < rows * kRowWords; i += kThreads) {
+  for (int i = threadIdx.x; i < kM * kRowWords; i += kThreads) {
     const int qr = i / kRowWords, c = i % kRowWords;
     const int64_t src = ((int64_t(n) * R + qr % R) * p.Hq + h0 + qr / R) * D + c * kChunk;
-    store16(&q_s[qr][c * kChunk], load16(q + src));
+    store16(&q_s[qr][c * kChunk], qr < rows ? load16(q + src) : Word16{0u, 0u, 0u, 0u});
   }
 
   const int32_t* table = p.page_table + int64_t(n) * p.page_table_stride;
   const T* kc = static_cast<const T*>(p.k_cache);
   const T* vc = static_cast<const T*>(p.v_cache);
   Word16 kw[kLoads], vw[kLoads];
+  int pid[kLoads];  // page ids of the positions the next load_tile reads
+  const auto load_ids = [&](int t0) {
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int pos = t0 + (threadIdx.x + i * kThreads) / kRowWords;
+      pid[i] = pos < t_end ? table[p.page_div.div(pos)] : 0;
+    }
+  };
   const auto load_tile = [&](int t0) {
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
@@ -148,9 +169,8 @@ __global__ void __launch_bounds__(kThreads) paged_attn_kernel(const PagedAttnPar
       const int pos = t0 + idx / kRowWords, c = idx % kRowWords;
       if (pos < t_end) {
         const int page_idx = p.page_div.div(pos);
-        const int64_t page = table[page_idx];
-        const int64_t off = ((page * p.page_size + (pos - page_idx * p.page_size)) * p.Hkv +
-                             kvh) * D + c * kChunk;
+        const int64_t off = ((int64_t(pid[i]) * p.page_size + (pos - page_idx * p.page_size)) *
+                             p.Hkv + kvh) * D + c * kChunk;
         kw[i] = load16(kc + off);
         vw[i] = load16(vc + off);
       } else {  // finite zeros: a masked position's value is multiplied by 0
@@ -159,18 +179,26 @@ __global__ void __launch_bounds__(kThreads) paged_attn_kernel(const PagedAttnPar
     }
   };
 
-  float m[RPW], l[RPW], acc[RPW][kLane];
+  // this lane's rows g (h = 0) and g + 8 (h = 1): running max, its warp's part of the sum, the
+  // last position each may see (kv_len - R + r: the caller guarantees kv_len >= R; -1 for a
+  // padding row)
+  float m[2], l[2], o[kNT][4];
+  int last[2];
 #pragma unroll
-  for (int j = 0; j < RPW; ++j) {
-    m[j] = neg_inf();
-    l[j] = 0.f;
-#pragma unroll
-    for (int e = 0; e < kLane; ++e) acc[j][e] = 0.f;
+  for (int h = 0; h < 2; ++h) {
+    const int qr = g + 8 * h;
+    m[h] = neg_inf();
+    l[h] = 0.f;
+    last[h] = qr < rows ? min(t_end - 1, p.kv_lens[n] - R + qr % R) : -1;
   }
-  // last position row qr may see: kv_len - R + r (the caller guarantees kv_len >= R)
-  const int last_seen = p.kv_lens[n] - R;
+#pragma unroll
+  for (int j = 0; j < kNT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
 
+  load_ids(t_begin);
   load_tile(t_begin);
+  load_ids(t_begin + kTile);
   for (int t0 = t_begin; t0 < t_end; t0 += kTile) {
     __syncthreads();  // every warp is done with the previous tile (and q_s is written)
 #pragma unroll
@@ -180,110 +208,165 @@ __global__ void __launch_bounds__(kThreads) paged_attn_kernel(const PagedAttnPar
       store16(&v_s[idx / kRowWords][(idx % kRowWords) * kChunk], vw[i]);
     }
     __syncthreads();
-    if (t0 + kTile < t_end) load_tile(t0 + kTile);  // in flight during this tile's math
+    if (t0 + kTile < t_end) {  // in flight during this tile's math
+      load_tile(t0 + kTile);
+      load_ids(t0 + 2 * kTile);
+    }
 
-    float s[RPW];
-#pragma unroll
-    for (int j = 0; j < RPW; ++j) s[j] = 0.f;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};  // S[g][8w + 2t + {0, 1}], S[g + 8][...]
+    const int kr = 8 * warp + g;        // the K row (tile position) of this lane's B fragment
 #pragma unroll 4
-    for (int c = 0; c < kRowWords; ++c) {
-      float kf[kChunk];
-      load_vec<T, kChunk>(&k_s[lane][c * kChunk], kf);
-#pragma unroll
-      for (int j = 0; j < RPW; ++j) {
-        float qf[kChunk];
-        load_vec<T, kChunk>(&q_s[warp + kWarps * j][c * kChunk], qf);
-#pragma unroll
-        for (int e = 0; e < kChunk; ++e) s[j] = ffma(qf[e], kf[e], s[j]);
-      }
+    for (int kk = 0; kk < D; kk += 16) {
+      const uint32_t a[4] = {load_pair(&q_s[g][kk + 2 * t]), load_pair(&q_s[g + 8][kk + 2 * t]),
+                             load_pair(&q_s[g][kk + 2 * t + 8]),
+                             load_pair(&q_s[g + 8][kk + 2 * t + 8])};
+      const uint32_t b[2] = {load_pair(&k_s[kr][kk + 2 * t]), load_pair(&k_s[kr][kk + 2 * t + 8])};
+      mma_16816<T>(s, a, b);
     }
-    const int pos = t0 + lane;
+    const int pos0 = t0 + 8 * warp + 2 * t;
 #pragma unroll
-    for (int j = 0; j < RPW; ++j) {
-      const int qr = warp + kWarps * j;
-      const bool seen = qr < rows && pos < t_end && pos <= last_seen + qr % R;
-      const float sj = seen ? fmul(s[j], p.scale_log2) : neg_inf();
-      const float m_new = fmaxf(m[j], warp_max(sj));
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        s[2 * h + e] = pos0 + e <= last[h] ? fmul(s[2 * h + e], p.scale_log2) : neg_inf();
+      float mx = fmaxf(s[2 * h], s[2 * h + 1]);
+      mx = fmaxf(mx, shfl_xor(mx, 1));
+      mx = fmaxf(mx, shfl_xor(mx, 2));  // the quad: this warp's 8 positions of the row
+      if (t == 0) red_s[warp][g + 8 * h] = mx;
+    }
+    __syncthreads();  // the warps' row maxima
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = g + 8 * h;
+      float m_new = m[h];
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) m_new = fmaxf(m_new, red_s[w][row]);
       // a row that has seen nothing yet keeps m = -inf: no (-inf) - (-inf)
-      const float pj = m_new == neg_inf() ? 0.f : exp2f(sj - m_new);
-      const float alpha = m_new == neg_inf() ? 1.f : exp2f(m[j] - m_new);
-      l[j] = ffma(l[j], alpha, group_sum<kWarp>(pj));
-      m[j] = m_new;
-#pragma unroll
-      for (int e = 0; e < kLane; ++e) acc[j][e] = fmul(acc[j][e], alpha);
-      p_s[qr][lane] = pj;
+      alpha[h] = m_new == neg_inf() ? 1.f : exp2f(m[h] - m_new);
+      const T p0 = from_float<T>(m_new == neg_inf() ? 0.f : exp2f(s[2 * h] - m_new));
+      const T p1 = from_float<T>(m_new == neg_inf() ? 0.f : exp2f(s[2 * h + 1] - m_new));
+      store_pair(&p_s[row][8 * warp + 2 * t], pack2(p0, p1));
+      l[h] = ffma(l[h], alpha[h], group_sum<4>(fadd(to_float(p0), to_float(p1))));
+      m[h] = m_new;
     }
-    __syncthreads();  // p_s rows are read by all lanes of their warp
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) {
+      o[j][0] = fmul(o[j][0], alpha[0]);
+      o[j][1] = fmul(o[j][1], alpha[0]);
+      o[j][2] = fmul(o[j][2], alpha[1]);
+      o[j][3] = fmul(o[j][3], alpha[1]);
+    }
+    __syncthreads();  // p_s is read by every warp
 
-    const int t_n = min(kTile, t_end - t0);
-    for (int t = 0; t < t_n; ++t) {
-      float vf[kLane];
-      if constexpr (kWordLane) {
-        load_vec<T, kLane>(&v_s[t][lane * kLane], vf);
-      } else {
 #pragma unroll
-        for (int e = 0; e < kLane; ++e) vf[e] = to_float(v_s[t][lane * kLane + e]);
-      }
+    for (int ks = 0; ks < kTile; ks += 16) {
+      const uint32_t a[4] = {load_pair(&p_s[g][ks + 2 * t]), load_pair(&p_s[g + 8][ks + 2 * t]),
+                             load_pair(&p_s[g][ks + 2 * t + 8]),
+                             load_pair(&p_s[g + 8][ks + 2 * t + 8])};
 #pragma unroll
-      for (int j = 0; j < RPW; ++j) {
-        const float pj = p_s[warp + kWarps * j][t];
-#pragma unroll
-        for (int e = 0; e < kLane; ++e) acc[j][e] = ffma(pj, vf[e], acc[j][e]);
+      for (int j = 0; j < kNT; ++j) {
+        const int c = warp * kCols + 8 * j + g;  // V column of this lane's B fragment
+        const uint32_t b[2] = {pack2(v_s[ks + 2 * t][c], v_s[ks + 2 * t + 1][c]),
+                               pack2(v_s[ks + 2 * t + 8][c], v_s[ks + 2 * t + 9][c])};
+        mma_16816<T>(o[j], a, b);
       }
     }
   }
+  launch_dependents();  // the merge may start launching; it waits for this grid's writes
 
+  // the row sums: the warps' parts (red_s's last readers passed the loop's last barrier)
+  if (t == 0) {
+    red_s[warp][g] = l[0];
+    red_s[warp][g + 8] = l[1];
+  }
+  __syncthreads();
 #pragma unroll
-  for (int j = 0; j < RPW; ++j) {
-    const int qr = warp + kWarps * j;
+  for (int h = 0; h < 2; ++h) {
+    const int qr = g + 8 * h;
     if (qr >= rows) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum = fadd(sum, red_s[w][qr]);
     const int64_t row = (int64_t(n) * R + qr % R) * p.Hq + h0 + qr / R;
-    const float inv = l[j] > 0.f ? fdiv(1.f, l[j]) : 0.f;
-    float o[kLane];
-#pragma unroll
-    for (int e = 0; e < kLane; ++e) o[e] = fmul(acc[j][e], inv);
+    const float inv = sum > 0.f ? fdiv(1.f, sum) : 0.f;
     if (plan.count == 1) {
-      T* out = static_cast<T*>(p.out) + row * D + lane * kLane;
-      if constexpr (kWordLane) {
-        store_vec<T, kLane>(out, o);
-      } else {
+      T* out = static_cast<T*>(p.out) + row * D + warp * kCols + 2 * t;
 #pragma unroll
-        for (int e = 0; e < kLane; ++e) out[e] = from_float<T>(o[e]);
-      }
+      for (int j = 0; j < kNT; ++j)
+        store_pair(out + 8 * j, pack2(from_float<T>(fmul(o[j][2 * h], inv)),
+                                      from_float<T>(fmul(o[j][2 * h + 1], inv))));
     } else {
       const int64_t part = row * p.max_splits + split;
-      store_vec<float, kLane>(p.part_o + part * D + lane * kLane, o);
-      if (lane == 0) p.part_lse[part] = l[j] > 0.f ? fadd(m[j], log2f(l[j])) : neg_inf();
+      float* out = p.part_o + part * D + warp * kCols + 2 * t;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        const float pair[2] = {fmul(o[j][2 * h], inv), fmul(o[j][2 * h + 1], inv)};
+        store_vec<float, 2>(out + 8 * j, pair);
+      }
+      if (warp == 0 && t == 0) p.part_lse[part] = sum > 0.f ? fadd(m[h], log2f(sum)) : neg_inf();
     }
   }
 }
 
-// One block per output row (request, row, q head), one thread per element of D: combines the
-// splits' partial outputs weighted by 2^(lse - max lse). Requests with one split are skipped
-// (the attention kernel wrote them).
+// Merge blocks: one per (output row, kMergeCols columns); thread (group, column) folds splits
+// group, group + kMergeGroups, ... of its column with the online softmax's rescaling (weights
+// 2^(lse - running max)), then the groups are folded through shared memory. At a small batch one
+// request has ~200 splits over only N * R * Hq rows: one thread per element looping over every
+// split left a few blocks each waiting out ~200 dependent-latency loads (B = 1 at 32k);
+// spread this way the merge has D / kMergeCols times the blocks and kMergeGroups times fewer
+// loads a thread. Requests with one split are skipped (the attention kernel wrote them).
+constexpr int kMergeCols = 32;
+constexpr int kMergeGroups = 8;
 template <typename T>
-__global__ void __launch_bounds__(256) merge_kernel(const PagedAttnParams p) {
-  const int64_t row = blockIdx.x;
+__global__ void __launch_bounds__(kMergeCols * kMergeGroups) merge_kernel(const PagedAttnParams p) {
+  grid_dependency_wait();  // the partial outputs of the attention kernel before
+  __shared__ float m_s[kMergeGroups][kMergeCols], l_s[kMergeGroups][kMergeCols],
+      o_s[kMergeGroups][kMergeCols];
+  const int chunks = p.D / kMergeCols;
+  const int64_t row = blockIdx.x / chunks;
+  const int c = threadIdx.x % kMergeCols, grp = threadIdx.x / kMergeCols;
+  const int col = static_cast<int>(blockIdx.x % chunks) * kMergeCols + c;
   const int n = static_cast<int>(row / (int64_t(p.R) * p.Hq));
   const int len = usable_len(p.kv_lens[n], p.page_size, p.max_pages);
   const int count = split_plan(len, p.max_splits).count;
-  if (count <= 1) return;
+  if (count <= 1) return;  // the whole block: count is the request's
   const float* lse = p.part_lse + row * p.max_splits;
-  float mx = neg_inf();
-  for (int s = 0; s < count; ++s) mx = fmaxf(mx, lse[s]);
-  float sum = 0.f, o = 0.f;
-  const float* part = p.part_o + row * p.max_splits * p.D + threadIdx.x;
-  for (int s = 0; s < count; ++s) {
-    const float w = lse[s] == neg_inf() ? 0.f : exp2f(lse[s] - mx);
-    sum = fadd(sum, w);
-    o = ffma(w, part[int64_t(s) * p.D], o);
+  const float* part = p.part_o + row * p.max_splits * p.D + col;
+  float m = neg_inf(), l = 0.f, o = 0.f;
+#pragma unroll 4
+  for (int s = grp; s < count; s += kMergeGroups) {
+    const float ls = lse[s];
+    const float v = part[int64_t(s) * p.D];
+    if (ls == neg_inf()) continue;  // a split whose positions this row sees none of
+    const float m_new = fmaxf(m, ls);
+    const float alpha = exp2f(m - m_new), w = exp2f(ls - m_new);  // alpha 0 from m = -inf
+    l = ffma(l, alpha, w);
+    o = ffma(o, alpha, fmul(w, v));
+    m = m_new;
   }
-  static_cast<T*>(p.out)[row * p.D + threadIdx.x] = from_float<T>(fdiv(o, sum));
+  m_s[grp][c] = m;
+  l_s[grp][c] = l;
+  o_s[grp][c] = o;
+  __syncthreads();
+  if (grp != 0) return;
+  float mx = neg_inf();
+#pragma unroll
+  for (int g = 0; g < kMergeGroups; ++g) mx = fmaxf(mx, m_s[g][c]);
+  float sum = 0.f, acc = 0.f;
+#pragma unroll
+  for (int g = 0; g < kMergeGroups; ++g) {
+    const float w = m_s[g][c] == neg_inf() ? 0.f : exp2f(m_s[g][c] - mx);
+    sum = ffma(w, l_s[g][c], sum);
+    acc = ffma(w, o_s[g][c], acc);
+  }
+  static_cast<T*>(p.out)[row * p.D + col] = from_float<T>(sum > 0.f ? fdiv(acc, sum) : 0.f);
 }
 
 // One thread per 16-byte word of the new rows' K and V.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) kv_append_kernel(const KVAppendParams p) {
+  grid_dependency_wait();  // k and v come from the kernel before
   const int words = p.D / 8;
   const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= int64_t(p.N) * p.R * p.Hkv * words) return;
@@ -314,15 +397,21 @@ inline int heads_per_block(int Hq, int Hkv, int R) {
 }
 
 // Splits per request in the grid: as many as keep the whole batch within one resident wave
-// (kBlocksPerSm blocks per multiprocessor), at least 1, and no more than a request of
+// (blocks_per_sm(D) blocks per multiprocessor), at least 1, and no more than a request of
 // max_kv_len positions can use (kMinSplit each).
-inline ds_error_t max_splits_for(int N, int R, int Hq, int heads_block, int64_t max_kv_len,
+inline ds_error_t max_splits_for(int N, int R, int Hq, int heads_block, int D, int64_t max_kv_len,
                                  int* out) {
   int sms = 0;
   const ds_error_t err = multiprocessor_count(&sms);
   if (err != DS_SUCCESS) return err;
+  (void)R;  // every block is one 16-row MMA tile, whatever R
   const int64_t blocks = int64_t(N) * (Hq / heads_block);
-  const int per_sm = heads_block * R > 2 * kWarps ? kBlocksPerSmWide : kBlocksPerSm;
+  static const int env_per_sm = [] {
+    const char* e = std::getenv("DS_ATTN_BLOCKS_PER_SM");
+    const int v = e != nullptr ? atoi(e) : 0;
+    return v >= 1 && v <= 64 ? v : 0;
+  }();
+  const int per_sm = env_per_sm > 0 ? env_per_sm : blocks_per_sm(D);
   int64_t want = int64_t(per_sm) * sms / (blocks > 0 ? blocks : 1);
   const int64_t most = ceil_div(max_kv_len > 1 ? max_kv_len : 1, kMinSplit);
   *out = static_cast<int>(want < 1 ? 1 : (want > most ? most : want));
@@ -332,16 +421,11 @@ inline ds_error_t max_splits_for(int N, int R, int Hq, int heads_block, int64_t 
 template <typename T, int D>
 inline ds_error_t launch_paged_attention_d(const PagedAttnParams& p, ds_stream_t stream) {
   const dim3 grid(p.max_splits, p.Hq / p.heads_per_block, p.N);
-  const int rows = p.heads_per_block * p.R;
-  ds_error_t err;
-  if (rows <= kWarps)
-    err = launch(paged_attn_kernel<T, D, 1>, grid, kThreads, stream, Pdl::kOff, p);
-  else if (rows <= 2 * kWarps)
-    err = launch(paged_attn_kernel<T, D, 2>, grid, kThreads, stream, Pdl::kOff, p);
-  else
-    err = launch(paged_attn_kernel<T, D, 4>, grid, kThreads, stream, Pdl::kOff, p);
+  // both with PDL: at a small batch the launch gaps, not the bytes, are most of the time
+  const ds_error_t err = launch(paged_attn_kernel<T, D>, grid, kThreads, stream, Pdl::kOn, p);
   if (err != DS_SUCCESS || p.max_splits == 1) return err;
-  return launch(merge_kernel<T>, int64_t(p.N) * p.R * p.Hq, D, stream, Pdl::kOff, p);
+  return launch(merge_kernel<T>, int64_t(p.N) * p.R * p.Hq * (D / kMergeCols),
+                kMergeCols * kMergeGroups, stream, Pdl::kOn, p);
 }
 
 // The attention of every row, then (max_splits > 1) the merge. p.heads_per_block and
@@ -360,7 +444,7 @@ template <typename T>
 inline ds_error_t launch_kv_append(const KVAppendParams& p, ds_stream_t stream) {
   if (p.D % 8 != 0) return DS_ERROR_INVALID_VALUE;
   const int64_t words = int64_t(p.N) * p.R * p.Hkv * (p.D / 8);
-  return launch(kv_append_kernel<T>, ceil_div(words, kThreads), kThreads, stream, Pdl::kOff, p);
+  return launch(kv_append_kernel<T>, ceil_div(words, kThreads), kThreads, stream, Pdl::kOn, p);
 }
 
 }  // namespace attn

@@ -193,6 +193,90 @@ DS_DEVICE void store_vec(T* __restrict__ p, const float (&in)[N]) {
   for (int i = 0; i < kWords; ++i) reinterpret_cast<uint2*>(p)[i] = u.w[i];
 }
 
+// ---- 16 x 8 x 16 matrix multiply-accumulate (tensor cores on sm_80+) -------------------------
+// Two 16-bit elements of a row (or column) in one 32-bit register, the lower index in the low half.
+template <typename T>
+DS_DEVICE uint32_t pack2(T lo, T hi) { return uint32_t(lo.bits) | (uint32_t(hi.bits) << 16); }
+template <typename T>
+DS_DEVICE uint32_t load_pair(const T* p) { return *reinterpret_cast<const uint32_t*>(p); }
+template <typename T>
+DS_DEVICE void store_pair(T* p, uint32_t w) { *reinterpret_cast<uint32_t*>(p) = w; }
+
+DS_DEVICE uint32_t shfl_u32(uint32_t v, int src) {
+#if DS_EMU
+  return __float_as_uint(ds_emu::shfl_idx(__uint_as_float(v), src, kWarp));  // bits moved, no math
+#elif DS_HIP
+  return static_cast<uint32_t>(__shfl(static_cast<int>(v), src, kWarp));
+#else
+  return __shfl_sync(0xffffffffu, v, src, kWarp);
+#endif
+}
+
+// d += A B for one warp: A 16 x 16 (row-major), B 16 x 8 (column-major), T bf16 or f16, fp32
+// accumulators. Fragments as the PTX ISA's "Matrix Fragments for mma.m16n8k16 with floating
+// point type": lane = 4 g + t holds
+//   a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1],
+//   a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9]
+//   b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g]
+//   d[0], d[1] = D[g][2t, 2t+1], d[2], d[3] = D[g+8][2t, 2t+1]
+// (pairs packed by pack2). Every lane of the warp calls it. sm_80+ CUDA: one mma.sync. Elsewhere
+// (HIP, the CPU emulation, older CUDA) the same product from shuffles and fp32 FMAs: correct and
+// slow (products of 16-bit floats are exact in fp32; only the order of the sums differs).
+template <typename T>
+DS_DEVICE void mma_16816_portable(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  const auto lo = [](uint32_t w) { return to_float(T{uint16_t(w & 0xffffu)}); };
+  const auto hi = [](uint32_t w) { return to_float(T{uint16_t(w >> 16)}); };
+  const int lane = static_cast<int>(threadIdx.x) % kWarp, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {  // k = 2s, 2s+1 (register 0) and 2s+8, 2s+9 (register 1)
+    uint32_t ar[4], b0[2], b1[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ar[i] = shfl_u32(a[i], 4 * g + s);  // rows g, g + 8
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {  // columns 2t + c
+      b0[c] = shfl_u32(b[0], 4 * (2 * t + c) + s);
+      b1[c] = shfl_u32(b[1], 4 * (2 * t + c) + s);
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {  // row g + 8r: registers r (k 2s..) and r + 2 (k 2s+8..)
+        float acc = d[2 * r + c];
+        acc = ffma(lo(ar[r]), lo(b0[c]), acc);
+        acc = ffma(hi(ar[r]), hi(b0[c]), acc);
+        acc = ffma(lo(ar[r + 2]), lo(b1[c]), acc);
+        acc = ffma(hi(ar[r + 2]), hi(b1[c]), acc);
+        d[2 * r + c] = acc;
+      }
+    }
+  }
+}
+
+template <typename T>
+DS_DEVICE void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+template <>
+DS_DEVICE void mma_16816<bf16>(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if !DS_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  mma_16816_portable<bf16>(d, a, b);
+#endif
+}
+template <>
+DS_DEVICE void mma_16816<f16>(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if !DS_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  mma_16816_portable<f16>(d, a, b);
+#endif
+}
+
 // ---- programmatic dependent launch (sm_90+; no-ops elsewhere and on HIP) ---------------------
 // A kernel launched with `launch(..., Pdl::kOn, ...)` may start while the kernel before it in the
 // stream is still running, once each block of that kernel has called launch_dependents() (any

@@ -57,8 +57,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const DeviceGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (p.N == 0) return out;
-  check_launch(ds::attn::max_splits_for(p.N, p.R, p.Hq, p.heads_per_block, max_kv_len,
-                                        &p.max_splits), "paged_attention (device query)");
+  check_launch(ds::attn::max_splits_for(p.N, p.R, p.Hq, p.heads_per_block, p.D, max_kv_len,
+                                        &p.max_splits),
+               "paged_attention (device query)");
   const auto f32 = q.options().dtype(at::kFloat);
   // the merge's workspace; one split: never touched
   const int64_t splits = p.max_splits > 1 ? p.max_splits : 0;

@@ -169,7 +169,7 @@ class Req:
     prefix_node: Any = None
     snapshots: dict[int, int] = field(default_factory=dict)
     host_snapshots: dict[int, int] = field(default_factory=dict)  # depth -> host bank slot
-    generator: torch.Generator | None = None
+    sample_seed: int = 0  # engine/sampling_rng.py's seed: params.seed, else drawn at admission
     detok: Any = None
     grammar: Any = None  # a grammar matcher at the committed output (structured output)
     arrival_time: float = 0.0

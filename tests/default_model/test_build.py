@@ -74,7 +74,8 @@ def test_mtp_tensors_mirror_a_full_attention_layer(model_dir):
             "mtp.norm.weight"} <= set(keys)
     assert "lm_head.weight" not in keys  # tied
     with safe_open(model_dir / "model.safetensors", "pt") as f:
-        assert f.get_slice("mtp.fc.weight").get_shape() == [256, 512]
+        hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+        assert f.get_slice("mtp.fc.weight").get_shape() == [hidden, 2 * hidden]
         assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
 
 

@@ -8,12 +8,13 @@ import torch
 
 from deltaserve.core import SamplingParams
 from deltaserve.engine.detokenizer import IncrementalDetokenizer, held_back
-from deltaserve.engine.sampling import SamplingRow, apply_penalties, sample_rows, truncated_probs
+from deltaserve.engine.sampling import SamplingRow, sample_rows
+from deltaserve.engine.sampling_ref import apply_penalties_ref as apply_penalties
+from deltaserve.engine.sampling_ref import truncated_probs_ref as truncated_probs
 
 
-def row(params: SamplingParams, prompt=(), generated=(), seed=None) -> SamplingRow:
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    return SamplingRow(params, list(prompt), list(generated), gen)
+def row(params: SamplingParams, prompt=(), generated=(), seed=0) -> SamplingRow:
+    return SamplingRow(params, list(prompt), list(generated), seed)
 
 
 def test_greedy_rows_take_the_argmax_and_top_k_1_is_greedy():
@@ -73,12 +74,15 @@ def test_penalties_follow_the_openai_and_ctrl_rules():
     assert pen.tolist() == [2.0, -2.0, 1.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.25]
 
 
-def test_a_seeded_request_samples_the_same_tokens_again():
+def test_a_seeded_request_samples_the_same_tokens_again_and_other_seeds_differ():
     logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(0))
     p = SamplingParams(temperature=1.0, seed=7)
     first = [sample_rows(logits[i:i + 1], [row(p, seed=7)])[0] for i in range(8)]
     again = [sample_rows(logits[i:i + 1], [row(p, seed=7)])[0] for i in range(8)]
     assert first == again
+    others = [[sample_rows(logits[i:i + 1], [row(p, seed=s)])[0] for i in range(8)]
+              for s in range(8, 12)]
+    assert any(o != first for o in others)
 
 
 class CharTokenizer:
@@ -113,3 +117,15 @@ def test_held_back_is_the_longest_proper_prefix_of_the_stop_string_the_text_ends
         text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 12)))
         end = rng.randint(0, len(text))
         assert held_back(text, end, stop) == brute(text, end, stop), (text, end, stop)
+
+
+def test_admission_keeps_a_given_seed_and_draws_a_distinct_one_otherwise():
+    from deltaserve.engine.requests import new_req
+
+    def admit(seed):
+        return new_req([1, 2], SamplingParams(seed=seed), 0, vocab=10, max_model_len=100,
+                       tokenizer=CharTokenizer(), grammar=None).sample_seed
+
+    assert admit(2**64 - 1) == 2**64 - 1 and admit(-5) == -5
+    drawn = {admit(None) for _ in range(50)}
+    assert len(drawn) == 50

@@ -1,8 +1,11 @@
 """The paged attention and KV append kernels' own code on the CPU (kernels_emu.py) against the
-pure-torch references: one and several splits per request (the merge), split edges inside a
-page and on page boundaries +-1, causal verify rows, GQA 1/4/8, D 64/128/256, heads split over
-blocks (8 heads x 4 rows), padding requests on page 0. bf16 inputs; fp32 accumulation on both
-sides, so the outputs agree to a few bf16 ulps."""
+pure-torch references: one and several splits per request (the merge), splits of one and of
+many tiles, split edges inside a page and on page boundaries +-1, causal verify rows, GQA
+1/3/4/8, D 64/128/256, heads split over blocks (8 heads x 4 rows), padding requests on page 0.
+bf16 and fp16 inputs; fp32 accumulation on both sides (the kernel's probabilities rounded to
+the input type for the P V product), so the outputs agree to a few bf16 ulps. The kernel's
+MMAs run here as their portable shuffle form (compat.cuh), whose fragment layout is the PTX
+ISA's: the GPU tests check the tensor-core form."""
 
 from __future__ import annotations
 
@@ -52,6 +55,28 @@ def test_one_split_writes_the_output_directly():
                                            q_scale=PEAK)
     got = paged_attention(q, kc, vc, table, kv_lens, 0.1, 1)
     want = paged_attention_ref(q, kc, vc, table, kv_lens, 0.1, 64)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1.6e-2)
+
+
+LONG_CASES = [  # lens, rows, hq, hkv, d, page_size, max_kv_len, dtype
+    # one split of 10 tiles: the page-id and K/V prefetch across tiles, page size 3
+    ([300, 77], 1, 4, 1, 128, 3, 1, torch.bfloat16),
+    # 3 splits of 4 tiles (merged), 9 rows a block (GQA 3 x R 3), fp16
+    ([300, 40], 3, 6, 2, 64, 16, 96, torch.float16),
+    # GQA 8 decode: 8 rows a block; a split edge inside a page
+    ([257, 96], 1, 16, 2, 256, 64, 128, torch.bfloat16),
+    # 63 one-tile splits of one row: every merge thread group folds several splits
+    ([2000], 1, 1, 1, 64, 16, 4096, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("lens,rows,hq,hkv,d,page_size,max_kv_len,dtype", LONG_CASES)
+def test_multi_tile_splits_match_the_reference(lens, rows, hq, hkv, d, page_size, max_kv_len,
+                                               dtype):
+    q, kc, vc, table, kv_lens = paged_case(lens, rows, hq, hkv, d, page_size, dtype,
+                                           q_scale=PEAK, seed=d)
+    got = paged_attention(q, kc, vc, table, kv_lens, d ** -0.5, max_kv_len)
+    want = paged_attention_ref(q, kc, vc, table, kv_lens, d ** -0.5, max(lens))
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1.6e-2)
 
 

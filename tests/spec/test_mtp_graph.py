@@ -18,7 +18,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.engine.cuda_graph import GraphRunner
 from deltaserve.model.testing import make_tiny_checkpoint
 from deltaserve.spec.accept import accept_greedy_rows
-from deltaserve.spec.rejection import accept_greedy
+from deltaserve.spec.rejection import accept
 from drained import assert_drained
 from token_ids import random_tokens as tokens
 
@@ -140,9 +140,9 @@ def test_device_acceptance_equals_the_host_rule():
         num = torch.randint(0, k + 1, (n,), generator=gen)
         got = accept_greedy_rows(greedy.reshape(-1), drafts, num).tolist()
         for i in range(n):
-            want = accept_greedy(greedy[i].tolist(), drafts[i, :num[i]].tolist())
+            want = accept(greedy[i].tolist(), drafts[i, :num[i]].tolist())
             assert greedy[i, :got[i] + 1].tolist() == want
         full = accept_greedy_rows(greedy.reshape(-1), drafts).tolist()
         for i in range(n):
-            assert greedy[i, :full[i] + 1].tolist() == accept_greedy(greedy[i].tolist(),
+            assert greedy[i, :full[i] + 1].tolist() == accept(greedy[i].tolist(),
                                                                       drafts[i].tolist())

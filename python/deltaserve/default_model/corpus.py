@@ -30,6 +30,7 @@ LICENSE = "PSF-2.0 (Python Software Foundation License Version 2)"
 EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__", "lib-dynload")
 SHARD_BYTES = 8 << 20  # ~8 MiB of source per shard
 SPLITS = ("train", "heldout")
+READ_SPLITS = (*SPLITS, "extra")  # "extra": more training text, see extra_corpus.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,9 +156,12 @@ def load_manifest(corpus_dir: str | os.PathLike) -> dict:
 
 
 def iter_split(corpus_dir: str | os.PathLike, split: str) -> Iterator[SourceFile]:
-    """Yield the documents of one split ('train' or 'heldout') in corpus order."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    """Yield the documents of one split ('train', 'heldout' or 'extra') in corpus order.
+
+    Raises ValueError for another split name, KeyError for an 'extra' split the corpus lacks.
+    """
+    if split not in READ_SPLITS:
+        raise ValueError(f"split must be one of {READ_SPLITS}, got {split!r}")
     manifest = load_manifest(corpus_dir)
     for name in manifest["splits"][split]["shards"]:
         with open(Path(corpus_dir) / name, encoding="utf-8") as fh:

@@ -127,20 +127,46 @@ def train_step(
     mtp_weight: float,
     grad_clip: float,
     autocast_dtype: torch.dtype | None,
+    micro_batches: int = 1,
 ) -> StepResult:
-    """One optimiser step on `batch` [B, T] (already on the model's device); sets lr first."""
+    """One optimiser step on `batch` [B, T] (already on the model's device); sets lr first.
+
+    `micro_batches` > 1 accumulates the gradient over that many equal slices of the batch
+    (same update as one pass, up to float summation order; less activation memory).
+    Raises ValueError when B is not a multiple of micro_batches.
+    """
+    if batch.shape[0] % micro_batches:
+        raise ValueError(f"batch of {batch.shape[0]} rows does not split into {micro_batches}")
     for group in opt.param_groups:
         group["lr"] = lr
     device_type = batch.device.type
-    with torch.autocast(device_type, dtype=autocast_dtype or torch.float32,
-                        enabled=autocast_dtype is not None):
-        main, mtps = model(batch, mtp_steps)
-        loss = main + mtp_weight * torch.stack(mtps).mean() if mtps else main
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    totals = None
+    for part in batch.chunk(micro_batches):
+        with torch.autocast(device_type, dtype=autocast_dtype or torch.float32,
+                            enabled=autocast_dtype is not None):
+            main, mtps = model(part, mtp_steps)
+            loss = main + mtp_weight * torch.stack(mtps).mean() if mtps else main
+        (loss / micro_batches).backward()
+        vals = torch.stack([loss.detach(), main.detach(), *[m.detach() for m in mtps]])
+        totals = vals if totals is None else totals + vals
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     opt.step()
-    return StepResult(loss.item(), main.item(), [m.item() for m in mtps], grad_norm.item())
+    loss, main, *mtp = (totals / micro_batches).tolist()
+    return StepResult(loss, main, mtp, grad_norm.item())
+
+
+def mix_streams(stdlib: torch.Tensor, extra: torch.Tensor | None,
+                stdlib_repeat: int) -> torch.Tensor:
+    """The training stream: the stdlib tokens `stdlib_repeat` times, then the extra split's.
+
+    1-D int32 in, 1-D int32 out. `train_batches` shuffles windows of it every epoch, so the
+    repeat only sets the share of stdlib text (the held-out split's own distribution).
+    """
+    if stdlib_repeat < 1:
+        raise ValueError(f"stdlib_repeat must be >= 1, got {stdlib_repeat}")
+    parts = [stdlib] * stdlib_repeat + ([extra] if extra is not None and extra.numel() else [])
+    return torch.cat(parts)
 
 
 @torch.no_grad()

@@ -327,7 +327,7 @@ class LLMEngine:
             self.scheduler.process(batch, sampled,
                                    commit_rows=lambda counts: self._commit_verify(batch, counts))
         else:
-            rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator)
+            rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.sample_seed)
                     for r in out.owners]
             tokens = sample_rows(out.logits, rows, greedy) if rows else []
             sampled = {}

@@ -17,7 +17,11 @@ if TYPE_CHECKING:
 
 def new_req(prompt_ids: list[int], params: SamplingParams, rid: int, vocab: int,
             max_model_len: int, tokenizer, grammar: Callable[[], GrammarBackend]) -> Req:
-    """A checked WAITING request (its generator seeded, its grammar matcher compiled).
+    """A checked WAITING request (its sampling seed set, its grammar matcher compiled).
+
+    The seed is `params.seed`, or for an unseeded request one drawn here from torch's global
+    CPU generator (seeded by the engine's --seed), so every request samples from its own
+    counter-based stream (engine/sampling_rng.py).
 
     Raises ValueError for bad parameters (stop token ids outside [0, vocab) too) or a prompt
     that is empty, has ids outside [0, vocab) or leaves no room within `max_model_len`.
@@ -38,8 +42,8 @@ def new_req(prompt_ids: list[int], params: SamplingParams, rid: int, vocab: int,
     max_len = min(len(prompt_ids) + params.max_tokens, max_model_len)
     req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, max_len=max_len,
               arrival_time=time.monotonic())
-    if params.seed is not None:
-        req.generator = torch.Generator().manual_seed(params.seed)
+    req.sample_seed = params.seed if params.seed is not None \
+        else int(torch.randint(-2**63, 2**63 - 1, ()))
     if params.structured is not None:
         req.grammar = grammar().matcher(params.structured)
     req.detok = IncrementalDetokenizer(tokenizer, list(params.stop))

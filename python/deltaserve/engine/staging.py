@@ -47,4 +47,4 @@ def row_positions(starts: list[int], rows: int | list[int]) -> np.ndarray:
     return np.repeat(starts_a, counts) + offsets
 
 
-_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}

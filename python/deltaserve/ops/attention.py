@@ -10,8 +10,9 @@ scores, softmax and the weighted sum in fp32, the output cast to q's dtype. Sour
 attention of Vaswani et al. (2017) as transformers' `sdpa_attention_forward` computes it for
 Qwen3.5 / Qwen3-Next (grouped heads, causal mask), over pages as in vLLM's PagedAttention
 (Kwon et al., SOSP 2023). The CUDA kernel (csrc/kernels/attention.cuh) splits each request's
-positions (flash-decoding) and merges the splits; the references below are the CPU path and
-the oracle.
+positions (flash-decoding) and merges the splits; its two products run on tensor cores, with the
+probabilities rounded to q's dtype for the weighted sum (as FlashAttention-2; the row sums add
+the rounded values). The references below are the CPU path and the oracle.
 
 Page tables and lengths are device tensors: the kernels read them there, so one CUDA graph per
 batch size serves every context length up to `max_kv_len`.

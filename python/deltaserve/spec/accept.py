@@ -4,7 +4,7 @@ For a plain-greedy request (no penalties) the token of verify row j is the argma
 alone, so the whole acceptance is a comparison of the drafts with the rows' argmax: the number
 of leading drafts equal to their row's argmax is a, and the request commits the argmax of rows
 0..a (the accepted drafts, then the first disagreeing target or the bonus token). This is
-`rejection.accept_greedy` with one-hot drafts (Leviathan et al. 2023, Algorithm 1, at
+`rejection.accept` over argmax targets (Leviathan et al. 2023, Algorithm 1, at
 temperature 0), computed for every request at once.
 """
 
@@ -29,12 +29,8 @@ def accept_greedy_rows(greedy: torch.Tensor, drafts: torch.Tensor,
     return match.long().cumprod(dim=1).sum(dim=1)
 
 
-def pack_for_host(accepted: torch.Tensor, greedy: torch.Tensor,
-                  drafts: torch.Tensor | None) -> list[list[int]]:
-    """One copy to the host: per request [a, targets of rows 0..k, then the k drafts when
-    `drafts` is given] (accepted [N], greedy [N * (k+1)], drafts [N, k])."""
+def pack_for_host(accepted: torch.Tensor, greedy: torch.Tensor) -> list[list[int]]:
+    """One copy to the host: per request [a, the targets of rows 0..k] (accepted [N], greedy
+    [N * (k+1)]); request i commits row[1:row[0] + 2]."""
     n = accepted.shape[0]
-    parts = [accepted[:, None], greedy.view(n, -1)]
-    if drafts is not None:
-        parts.append(drafts)
-    return torch.cat(parts, dim=1).tolist()
+    return torch.cat([accepted[:, None], greedy.view(n, -1)], dim=1).tolist()

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from deltaserve.engine.sampling import SamplingRow, is_plain_greedy
+from deltaserve.engine.sampling import SamplingRow, sample_rows
 from deltaserve.engine.staging import to_device
 from deltaserve.spec.accept import accept_greedy_rows, pack_for_host
 from deltaserve.spec.proposer import Proposer
-from deltaserve.spec.rejection import accept_drafts
+from deltaserve.spec.rejection import accept, verify_rows
 
 if TYPE_CHECKING:
     from deltaserve.config import EngineConfig
@@ -71,40 +71,40 @@ class SpecRunner:
 
     def accept(self, batch: Batch, logits: torch.Tensor,
                greedy: torch.Tensor | None = None) -> dict[int, list[int]]:
-        """Tokens each request commits, from the verify logits [B * (k+1), V]. Plain-greedy
-        requests are decided on the device from one argmax over every row (`greedy` when the
-        step computed it), with one device->host copy per step of the accepted counts and
-        tokens (spec/accept.py; the drafts ride along when other requests need them on the
-        host); the others row by row (their rows depend on the drafts before them)."""
-        k, rows = self.num_steps, self.num_steps + 1
-        plain = [is_plain_greedy(req.params) for req in batch.reqs]
-        packed: list[list[int]] = []
-        if any(plain):
-            if greedy is None:
-                greedy = logits.argmax(dim=-1)
-            dev = greedy.device
-            drafts_t = batch.draft_tensor if batch.draft_ids is None else None
-            if drafts_t is None:
-                drafts_t = to_device(np.asarray(batch.draft_ids, dtype=np.int64).reshape(-1),
-                                     torch.long, dev).view(batch.size, k)
-            num = None
-            if any(n != k for n in batch.num_drafts):
-                num = to_device(batch.num_drafts, torch.long, dev)
-            accepted = accept_greedy_rows(greedy, drafts_t, num)
-            ship = drafts_t if batch.draft_ids is None and not all(plain) else None
-            packed = pack_for_host(accepted, greedy, ship)
-            if ship is not None:
-                batch.draft_ids = [row[k + 2:] for row in packed]
-        out = {}
+        """Tokens each request commits, from the verify logits [B * (k+1), V].
+
+        All requests plain greedy (no penalties): acceptance on the device from the rows'
+        argmax (`greedy` when the step computed it) and the drafts where they are
+        (spec/accept.py), one device->host copy of the accepted counts and tokens. Otherwise
+        every row is sampled in one batched call and matched per request on the host (the
+        drafts copied to the host once when they were on the device)."""
+        rows = self.num_steps + 1
+        if all(_plain_greedy(req.params) for req in batch.reqs):
+            return self._accept_greedy(batch, logits, greedy)
+        drafts = batch.host_drafts()
+        sampling_rows = []
         for i, req in enumerate(batch.reqs):
-            if plain[i]:
-                a = packed[i][0]
-                out[req.rid] = packed[i][1:a + 2]
-                continue
-            drafts = batch.host_drafts()[i][:batch.num_drafts[i]]
-            base = SamplingRow(req.params, req.prompt_ids, req.output_ids, req.generator)
-            out[req.rid] = accept_drafts(logits[i * rows:(i + 1) * rows], base, drafts)
-        return out
+            base = SamplingRow(req.params, req.prompt_ids, req.output_ids, req.sample_seed)
+            sampling_rows += verify_rows(base, drafts[i], rows)
+        targets = sample_rows(logits, sampling_rows, greedy)
+        return {req.rid: accept(targets[i * rows:(i + 1) * rows],
+                                drafts[i][:batch.num_drafts[i]])
+                for i, req in enumerate(batch.reqs)}
+
+    def _accept_greedy(self, batch: Batch, logits: torch.Tensor,
+                       greedy: torch.Tensor | None) -> dict[int, list[int]]:
+        k = self.num_steps
+        if greedy is None:
+            greedy = logits.argmax(dim=-1)
+        drafts = batch.draft_tensor if batch.draft_ids is None else None
+        if drafts is None:  # drafts made on the host (n-gram): one staged copy to the device
+            drafts = to_device(np.asarray(batch.draft_ids, dtype=np.int64).reshape(-1),
+                               torch.long, greedy.device).view(batch.size, k)
+        num = None
+        if any(n != k for n in batch.num_drafts):
+            num = to_device(batch.num_drafts, torch.long, greedy.device)
+        packed = pack_for_host(accept_greedy_rows(greedy, drafts, num), greedy)
+        return {req.rid: row[1:row[0] + 2] for req, row in zip(batch.reqs, packed)}
 
     def on_forward(self, batch: Batch, hidden) -> None:
         self.proposer.on_forward(batch, hidden)
@@ -114,3 +114,9 @@ class SpecRunner:
 
     def release(self, req: Req) -> None:
         self.proposer.release(req)
+
+
+def _plain_greedy(p) -> bool:
+    """Greedy without penalties: a row's token is its argmax alone, whatever the drafts."""
+    return p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 \
+        and p.frequency_penalty == 0.0
