@@ -14,9 +14,10 @@ speculative and is rewritten by the next catch-up).
 
 With `use_graphs` (the engine's CUDA graphs on) a verify's committed rows are not caught up at
 once: the next verify step's `propose` runs their catch-up and the k drafts as one graph replay
-(spec/mtp/graph.py) and returns the drafts as a device tensor. Whatever that graph does not
-cover (prefill and decode steps, a finished request's last rows, a batch past the graphs'
-buckets) runs the eager path here, which gives the same drafts.
+(spec/mtp/graph.py) and returns the drafts as a device tensor; a plain decode step's row
+waits for it too. Whatever that graph does not cover (a prefill chunk's rows, more than k+1
+rows left by decode steps, a finished request's last rows when the prefix cache keeps them, a
+batch past the graphs' buckets) runs the eager path here, which gives the same drafts.
 """
 
 from __future__ import annotations
