@@ -19,11 +19,13 @@ a table and writes JSON.
     python benchmarks/bench_spec.py --out spec.json [--model PATH] [--device cuda]
     python benchmarks/bench_spec.py --workload heldout --corpus build/corpus --batches 1,32
     python benchmarks/bench_spec.py --policies fixed,adaptive --batches 1,8,32,64 --ks 3
+    python benchmarks/bench_spec.py --ks 3 --batches 1,32 --mtp-graphs on,off   # A/B
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -68,11 +70,11 @@ def sync(device: str) -> None:
 
 def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
         max_tokens: int, args: argparse.Namespace, dtype: str = "auto",
-        fold: bool = True, policy: str = "fixed") -> dict:
+        fold: bool = True, policy: str = "fixed", mtp_graphs: bool = True) -> dict:
     kw = {}
     if algo is not None:
         kw = dict(speculative_algorithm=algo, speculative_num_steps=k,
-                  speculative_policy=policy)
+                  speculative_policy=policy, mtp_cuda_graphs=mtp_graphs)
     llm = LLM(model, device=device, dtype=dtype, enable_prefix_cache=False,
               max_running_reqs=max(batch, 8), **kw)
     llm.engine.runner.fold_replay = fold
@@ -86,7 +88,8 @@ def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
     gaps = record_gaps(llm, prompts, params) if algo is None else {}
     costs = step_costs(llm, prompts, params, device) if algo is not None else {}
     tokens = costs.pop("tokens") if algo is not None else gaps.pop("tokens")
-    name = (algo or "off") + ("" if fold else "/unf")
+    name = (algo or "off") + ("" if fold else "/unf") + \
+        ("/eager" if algo == "mtp" and not mtp_graphs else "")
     return {"algo": name, "k": k if algo else 0, "batch": batch,
             "policy": policy if algo else "-",
             "decode_tok_s": batch * (max_tokens - 1) / max(decode_s, 1e-9),
@@ -203,6 +206,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128, help="for --workload heldout")
     ap.add_argument("--policies", default="fixed",
                     help="speculation policies to run, comma-separated: fixed, adaptive")
+    ap.add_argument("--mtp-graphs", default="on",
+                    help="MTP proposer as CUDA graphs, comma-separated: on, off (off: the "
+                         "eager proposer, rows named mtp/eager)")
     args = ap.parse_args()
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -210,16 +216,19 @@ def main() -> None:
         rows.append(base)
         for algo in ("ngram", "mtp"):
             for k in [int(x) for x in args.ks.split(",")]:
-                for fold in (True, False) if args.unfolded else (True,):
-                    for policy in args.policies.split(","):
-                        r = run(args.model, args.device, algo, k, batch, args.max_tokens,
-                                args, args.dtype, fold, policy)
-                        r.update(compare(base, r, args.tie_eps))
-                        r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
-                        plain_s, v, d = base["step_s"], r["verify_step_s"], r["draft_s"]
-                        r["verify_x"] = (v - d) / plain_s if v and d is not None else None
-                        r["draft_x"] = d / k / plain_s if d is not None else None
-                        rows.append(r)
+                modes = [m == "on" for m in args.mtp_graphs.split(",")] \
+                    if algo == "mtp" else [True]
+                for fold, policy, graphs in itertools.product(
+                        (True, False) if args.unfolded else (True,),
+                        args.policies.split(","), modes):
+                    r = run(args.model, args.device, algo, k, batch, args.max_tokens,
+                            args, args.dtype, fold, policy, graphs)
+                    r.update(compare(base, r, args.tie_eps))
+                    r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
+                    plain_s, v, d = base["step_s"], r["verify_step_s"], r["draft_s"]
+                    r["verify_x"] = (v - d) / plain_s if v and d is not None else None
+                    r["draft_x"] = d / k / plain_s if d is not None else None
+                    rows.append(r)
     print(f"{'algo':10s} {'policy':8s} {'k':>2s} {'batch':>5s} {'tok/s':>9s} {'accept':>7s} "
           f"{'speedup':>7s} {'verify_x':>8s} {'draft_x':>7s} {'verify%':>7s} same/near-tie/diff")
 

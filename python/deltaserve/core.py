@@ -268,7 +268,8 @@ class Batch:
     `extend_lens[i]` rows of `reqs[i]` start at position `reqs[i].device_len`; a decode batch has
     one row per request, a verify batch `rows_per_req` (k+1) rows per request: the pending token
     then `draft_ids[i]` (k tokens; only the first `num_drafts[i]` are real proposals, the rest
-    pad the row count and are never accepted).
+    pad the row count and are never accepted). A proposer that drafts on the device leaves
+    `draft_tensor` (int64 [N, k]) and no `draft_ids` until `host_drafts` copies them.
     """
 
     phase: Phase
@@ -277,6 +278,7 @@ class Batch:
     rows_per_req: int = 1
     draft_ids: list[list[int]] | None = None
     num_drafts: list[int] | None = None
+    draft_tensor: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         assert len(self.reqs) == len(self.extend_lens) and self.reqs
@@ -292,6 +294,13 @@ class Batch:
     @property
     def size(self) -> int:
         return len(self.reqs)
+
+    def host_drafts(self) -> list[list[int]]:
+        """draft_ids, copied once from `draft_tensor` when the drafts are on the device (that
+        copy waits for the device: the paths that need the drafts on the host call this)."""
+        if self.draft_ids is None and self.draft_tensor is not None:
+            self.draft_ids = self.draft_tensor.tolist()
+        return self.draft_ids
 
 
 class AttentionBackend(Protocol):

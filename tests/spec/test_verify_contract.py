@@ -10,8 +10,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.engine.cuda_graph import GraphRunner
 from deltaserve.model.testing import make_tiny_checkpoint
 from deltaserve.spec.proposer import Proposer
 from drained import assert_drained
@@ -107,3 +109,39 @@ def test_requests_joining_mid_run_stay_exact(ckpt):
     for rid, prompt, ref_plain in zip(rids, batch, plain_outs):
         ref = reference_greedy(ckpt, prompt, MAX_NEW)
         assert_same_runs(got[rid], ref_plain, ref, f"staggered len {len(prompt)}")
+
+
+class DeviceStubProposer(StubProposer):
+    """The stub's drafts as a device tensor [N, k] (as the MTP graph step hands them over):
+    every request gets k drafts, so an empty proposal becomes k wrong ones."""
+
+    def propose(self, reqs):
+        rows = []
+        for req, drafts in zip(reqs, super().propose(reqs)):
+            want = self.refs[tuple(req.prompt_ids)][len(req.output_ids):]
+            wrong = [(t + 1) % self.vocab for t in want[:self.num_steps]]
+            rows.append((drafts or wrong) + [0] * (self.num_steps - len(drafts or wrong)))
+        return torch.tensor(rows, dtype=torch.long)
+
+
+@pytest.mark.parametrize("static_target", [False, True])
+def test_drafts_on_the_device_accept_on_the_device_for_every_accept_count(ckpt, static_target):
+    k = 3
+    batch = prompts(seed=13)
+    plain = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=16)
+    plain_outs = [o.token_ids for o in plain.generate(batch, GREEDY)]
+    spec = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=16,
+               speculative_algorithm="ngram", speculative_num_steps=k,
+               speculative_policy="fixed")
+    stub = DeviceStubProposer(k, {tuple(p): o for p, o in zip(batch, plain_outs)}, 512)
+    spec.engine.spec.proposer = stub
+    if static_target:  # the verify input takes the drafts on the device
+        eng = spec.engine
+        eng.graphs = GraphRunner(eng.runner, eng.cfg.max_running_reqs,
+                                 eng.cfg.decode_rows_per_req, eng.max_model_len, capture=False)
+    outs = spec.generate(batch, GREEDY)
+    assert [o.token_ids for o in outs] == plain_outs
+    assert stub.committed_counts == set(range(1, k + 2))
+    if static_target:
+        assert spec.engine.graphs.graph_steps > 0
+    assert_drained(spec.engine)

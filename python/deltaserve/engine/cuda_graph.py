@@ -8,11 +8,12 @@ max_model_len; GDN decode or verify against the state pool), the final norm and 
 every row. Inputs live in static buffers refilled before each replay; padding requests use the
 padding slot 0 and the padding page 0, so they never touch a real request. Outputs (logits,
 their per-row argmax, hidden, the verify stash and conv inputs that `commit` reads) stay valid
-until the next replay. Inputs are staged in pinned host memory and copied without blocking
-(engine/staging.py); the argmax in the graph lets a greedy step copy only its tokens back. A
-verify graph always takes pending rows from a static int32 buffer (zeros when none are pending
-for its batch). MoE models are captured when their experts run without a host sync at the
-largest batch (`model.mlp.moe_graph_safe`).
+until the next replay. Drafts a proposer left on the device (`Batch.draft_tensor`, the MTP
+graph's output) are copied into a verify graph's input ids on the device. Inputs are staged in
+pinned host memory and copied without blocking (engine/staging.py); the argmax in the graph
+lets a greedy step copy only its tokens back. A verify graph always takes pending rows from a
+static int32 buffer (zeros when none are pending for its batch). MoE models are captured when
+their experts run without a host sync at the largest batch (`model.mlp.moe_graph_safe`).
 """
 
 from __future__ import annotations
@@ -102,12 +103,19 @@ class GraphRunner:
         b = g.gdn.meta.slots.shape[0]
         # padding rows feed token 0 at position 0 into slot 0 / page 0 (never a real request)
         ids = np.zeros(b * rows, dtype=np.int64)
-        ids[:n * rows] = runner.input_ids(batch)
+        on_device = batch.draft_ids is None and batch.draft_tensor is not None
+        if on_device:  # the pending tokens from here, the drafts below from the device
+            ids[:n * rows:rows] = [r.tokens(r.device_len, r.device_len + 1)[0]
+                                   for r in batch.reqs]
+        else:
+            ids[:n * rows] = runner.input_ids(batch)
         pos = np.zeros(b * rows, dtype=np.int64)
         pos[:n * rows] = row_positions([r.device_len for r in batch.reqs], rows)
         slots = np.zeros(b, dtype=np.int32)
         slots[:n] = slot_ids
         copy_into(g.input_ids, ids)
+        if on_device:  # in stream order after the staged copy: no host round trip
+            g.input_ids.view(b, rows)[:n, 1:].copy_(batch.draft_tensor)
         copy_into(g.positions, pos)
         copy_into(g.gdn.meta.slots, slots)
         if g.gdn.meta.pending is not None:

@@ -86,10 +86,10 @@ class GrammarBackend:
         bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
         rows: list[int] = []
         if batch.phase is Phase.VERIFY:
-            per = batch.rows_per_req
+            per, all_drafts = batch.rows_per_req, batch.host_drafts()
             for i, req in enumerate(batch.reqs):
                 if _live(req):
-                    drafts = batch.draft_ids[i][:batch.num_drafts[i]]
+                    drafts = all_drafts[i][:batch.num_drafts[i]]
                     rows += self._fill_verify(req.grammar, bitmask, i * per, drafts)
         else:
             for i, req in enumerate(owners):

@@ -134,6 +134,8 @@ class LLMEngine:
                 if self.policy is not None and cfg.speculative_policy != "fixed":
                     self.decode_graphs = GraphRunner(self.runner, cfg.max_running_reqs, 1,
                                                      self.max_model_len)
+                if self.spec is not None and cfg.mtp_cuda_graphs:  # same buckets, same bound
+                    self.spec.use_graphs(cfg.max_running_reqs, self.max_model_len)
             else:
                 logger.warning("MoE experts in %s would sync with the host at %d rows (no "
                                "sync-free grouped GEMM for this GPU and dtype; the gathered "

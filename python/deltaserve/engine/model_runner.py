@@ -70,11 +70,12 @@ class ModelRunner:
     def input_ids(self, batch: Batch) -> list[int]:
         """The tokens each row feeds: prompt chunks, the pending token, or pending + drafts."""
         ids = []
+        drafts = batch.host_drafts() if batch.phase is Phase.VERIFY else None
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             start = req.device_len
             if batch.phase is Phase.VERIFY:
                 ids.extend(req.tokens(start, start + 1))
-                ids.extend(batch.draft_ids[i])
+                ids.extend(drafts[i])
             else:
                 ids.extend(req.tokens(start, start + n))
         return ids

@@ -23,7 +23,11 @@ class SpecRuntime(Protocol):
     wants_hidden: bool  # the proposer reads the target's final hidden states
 
     def propose(self, batch: Batch) -> None:
-        """Fill `batch.draft_ids` (k per request, padded) and `batch.num_drafts`."""
+        """Fill `batch.draft_ids` (k per request, padded) or `batch.draft_tensor` (int64
+        [N, k] on the device), and `batch.num_drafts`."""
+
+    def use_graphs(self, max_reqs: int, max_kv_len: int, capture: bool = True) -> None:
+        """The engine's decode/verify steps run as CUDA graphs (see Proposer.use_graphs)."""
 
     def accept(self, batch: Batch, logits: torch.Tensor,
                greedy: torch.Tensor | None = None) -> dict[int, list[int]]:

@@ -20,10 +20,16 @@ class Proposer:
     num_steps: int = 0
     wants_hidden: bool = False  # set: the target hands its final hidden states to the hooks
 
-    def propose(self, reqs: list[Req]) -> list[list[int]]:
-        """Up to `num_steps` draft tokens per request, continuing `req.all_ids`. Mutates
-        nothing the scheduler owns."""
+    def propose(self, reqs: list[Req]) -> list[list[int]] | torch.Tensor:
+        """Up to `num_steps` draft tokens per request, continuing `req.all_ids`; or an int64
+        device tensor [len(reqs), num_steps] (all k drafts for every request, left on the
+        device, valid until the next `propose`). Mutates nothing the scheduler owns."""
         raise NotImplementedError
+
+    def use_graphs(self, max_reqs: int, max_kv_len: int, capture: bool = True) -> None:
+        """The engine runs its decode/verify steps as CUDA graphs for up to `max_reqs`
+        requests of up to `max_kv_len` positions: a proposer may build its own (capture=False:
+        the same fixed-shape steps, run eagerly)."""
 
     def on_forward(self, batch: Batch, hidden: torch.Tensor | None) -> None:
         """After any target forward (the feature sink); `hidden` [T, hidden] (after the final

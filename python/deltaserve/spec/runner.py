@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+import torch
+
 from deltaserve.engine.sampling import SamplingRow, sample_rows
+from deltaserve.engine.staging import to_device
+from deltaserve.spec.accept import accept_greedy_rows, pack_for_host
 from deltaserve.spec.proposer import Proposer
 from deltaserve.spec.rejection import accept, verify_rows
 
 if TYPE_CHECKING:
-    import torch
-
     from deltaserve.config import EngineConfig
     from deltaserve.core import Batch, Req
 
@@ -48,9 +51,17 @@ class SpecRunner:
         raise ValueError(f"unknown speculative algorithm {cfg.speculative_algorithm!r}; "
                          "supported: mtp, ngram")
 
+    def use_graphs(self, max_reqs: int, max_kv_len: int, capture: bool = True) -> None:
+        self.proposer.use_graphs(max_reqs, max_kv_len, capture)
+
     def propose(self, batch: Batch) -> None:
         k = self.num_steps
         drafts = self.proposer.propose(batch.reqs)
+        if isinstance(drafts, torch.Tensor):  # k drafts per request, left on the device
+            batch.draft_tensor, batch.draft_ids = drafts, None
+            batch.num_drafts = [k] * batch.size
+            return
+        batch.draft_tensor = None
         batch.draft_ids, batch.num_drafts = [], []
         for req, d in zip(batch.reqs, drafts):
             d = list(d[:k])
@@ -60,18 +71,40 @@ class SpecRunner:
 
     def accept(self, batch: Batch, logits: torch.Tensor,
                greedy: torch.Tensor | None = None) -> dict[int, list[int]]:
-        """Tokens each request commits, from the verify logits [B * (k+1), V]: every row
-        sampled in one batched call (plain-greedy rows by `greedy`, the argmax when the step
-        computed it), one device->host copy, then the prefix match per request."""
+        """Tokens each request commits, from the verify logits [B * (k+1), V].
+
+        All requests plain greedy (no penalties): acceptance on the device from the rows'
+        argmax (`greedy` when the step computed it) and the drafts where they are
+        (spec/accept.py), one device->host copy of the accepted counts and tokens. Otherwise
+        every row is sampled in one batched call and matched per request on the host (the
+        drafts copied to the host once when they were on the device)."""
         rows = self.num_steps + 1
+        if all(_plain_greedy(req.params) for req in batch.reqs):
+            return self._accept_greedy(batch, logits, greedy)
+        drafts = batch.host_drafts()
         sampling_rows = []
         for i, req in enumerate(batch.reqs):
             base = SamplingRow(req.params, req.prompt_ids, req.output_ids, req.sample_seed)
-            sampling_rows += verify_rows(base, batch.draft_ids[i], rows)
+            sampling_rows += verify_rows(base, drafts[i], rows)
         targets = sample_rows(logits, sampling_rows, greedy)
         return {req.rid: accept(targets[i * rows:(i + 1) * rows],
-                                batch.draft_ids[i][:batch.num_drafts[i]])
+                                drafts[i][:batch.num_drafts[i]])
                 for i, req in enumerate(batch.reqs)}
+
+    def _accept_greedy(self, batch: Batch, logits: torch.Tensor,
+                       greedy: torch.Tensor | None) -> dict[int, list[int]]:
+        k = self.num_steps
+        if greedy is None:
+            greedy = logits.argmax(dim=-1)
+        drafts = batch.draft_tensor if batch.draft_ids is None else None
+        if drafts is None:  # drafts made on the host (n-gram): one staged copy to the device
+            drafts = to_device(np.asarray(batch.draft_ids, dtype=np.int64).reshape(-1),
+                               torch.long, greedy.device).view(batch.size, k)
+        num = None
+        if any(n != k for n in batch.num_drafts):
+            num = to_device(batch.num_drafts, torch.long, greedy.device)
+        packed = pack_for_host(accept_greedy_rows(greedy, drafts, num), greedy)
+        return {req.rid: row[1:row[0] + 2] for req, row in zip(batch.reqs, packed)}
 
     def on_forward(self, batch: Batch, hidden) -> None:
         self.proposer.on_forward(batch, hidden)
@@ -81,3 +114,9 @@ class SpecRunner:
 
     def release(self, req: Req) -> None:
         self.proposer.release(req)
+
+
+def _plain_greedy(p) -> bool:
+    """Greedy without penalties: a row's token is its argmax alone, whatever the drafts."""
+    return p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 \
+        and p.frequency_penalty == 0.0

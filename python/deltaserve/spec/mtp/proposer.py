@@ -11,6 +11,13 @@ next token is known (after a prefill chunk, after a verify commits, before a fin
 pages go to the cache); its last row at position device_len - 1 yields the first draft. Drafts
 2..k chain the head's own output hidden state one position further each step (their KV is
 speculative and is rewritten by the next catch-up).
+
+With `use_graphs` (the engine's CUDA graphs on) a verify's committed rows are not caught up at
+once: the next verify step's `propose` runs their catch-up and the k drafts as one graph replay
+(spec/mtp/graph.py) and returns the drafts as a device tensor; a plain decode step's row
+waits for it too. Whatever that graph does not cover (a prefill chunk's rows, more than k+1
+rows left by decode steps, a finished request's last rows when the prefix cache keeps them, a
+batch past the graphs' buckets) runs the eager path here, which gives the same drafts.
 """
 
 from __future__ import annotations
@@ -18,20 +25,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from deltaserve.core import FinishReason, ForwardContext, Phase
 from deltaserve.engine.attention import AttentionMetadata, PagedAttentionBackend
+from deltaserve.spec.mtp.graph import MTPGraphs
 from deltaserve.spec.proposer import Proposer
 
 if TYPE_CHECKING:
     from deltaserve.core import Batch, Req
 
 
+@dataclass(slots=True)
+class _Rows:
+    """Rows [start, start + n) of `src` [T, H]: target hidden states of consecutive positions."""
+
+    src: torch.Tensor
+    start: int
+    n: int
+
+
 @dataclass
 class _ReqState:
     mtp_len: int  # draft KV is exact for positions < mtp_len
-    pending: list[torch.Tensor] = field(default_factory=list)  # h_j, j >= mtp_len, [n, H]
+    pending: list[_Rows] = field(default_factory=list)  # h_j for j = mtp_len, mtp_len + 1, ..
     first: tuple[torch.Tensor, int] | None = None  # (head output at device_len-1, its draft)
     first_at: int = -1  # the device_len `first` was computed for
 
@@ -48,6 +66,17 @@ class MTPProposer(Proposer):
         self.num_steps = num_steps
         self.states: dict[int, _ReqState] = {}
         self._verify_hidden: torch.Tensor | None = None
+        self.graphs: MTPGraphs | None = None  # set by use_graphs
+        # a finished request's draft KV matters only to the prefix cache
+        self.cache_draft_kv = cfg.enable_prefix_cache
+
+    def use_graphs(self, max_reqs: int, max_kv_len: int, capture: bool = True) -> None:
+        """Run verify steps' catch-up and drafts as graphs of up to max_reqs requests and
+        max_kv_len positions (capture=False: the same fixed-shape step, eagerly)."""
+        c = self.model.config
+        self.graphs = MTPGraphs(self.head, self.model.compute_logits, self.kv, c.hidden_size,
+                                self.model.dtype, self.device,
+                                self.num_steps, max_reqs, max_kv_len, capture)
 
     # ---- hooks --------------------------------------------------------------------------
     def on_forward(self, batch: Batch, hidden: torch.Tensor | None) -> None:
@@ -57,26 +86,46 @@ class MTPProposer(Proposer):
         off = 0
         for req, n in zip(batch.reqs, batch.extend_lens):
             st = self.states.setdefault(req.rid, _ReqState(mtp_len=req.device_len))
-            st.pending.append(hidden[off:off + n])
+            st.pending.append(_Rows(hidden, off, n))
             off += n
-        self._catch_up(batch.reqs)
+        reqs = batch.reqs
+        if self.graphs is not None and batch.phase is Phase.DECODE:
+            # a plain decode step runs no proposer: its rows wait for the next verify's graph,
+            # unless that would leave more than k+1 rows to catch up (then all known rows now)
+            reqs = [r for r in reqs if r.device_len - self.states[r.rid].mtp_len
+                    >= self.num_steps + 1]
+        if reqs:
+            self._catch_up(reqs)
 
     def on_commit(self, batch: Batch, committed: list[int]) -> None:
         rows = batch.rows_per_req
         for i, (req, c) in enumerate(zip(batch.reqs, committed)):
             if c and req.rid in self.states:
-                self.states[req.rid].pending.append(self._verify_hidden[i * rows:i * rows + c])
+                self.states[req.rid].pending.append(_Rows(self._verify_hidden, i * rows, c))
         self._verify_hidden = None
-        self._catch_up([r for r, c in zip(batch.reqs, committed) if c])
+        # with graphs the next verify's replay catches these rows up; a request that finished
+        # in this step catches up here, with the others, when the prefix cache keeps its KV
+        todo = [r for r, c in zip(batch.reqs, committed)
+                if c and (self.graphs is None or (r.finished and self.cache_draft_kv))]
+        if todo:
+            self._catch_up(todo)
 
     def release(self, req: Req) -> None:
-        if req.finish_reason is not FinishReason.ABORT and req.rid in self.states:
+        if req.finish_reason is not FinishReason.ABORT and req.rid in self.states \
+                and self.cache_draft_kv:
             self._catch_up([req])  # the cache keeps this request's draft KV: make it exact
         self.states.pop(req.rid, None)
 
     # ---- drafting -----------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, reqs: list[Req]) -> list[list[int]]:
+    def propose(self, reqs: list[Req]) -> list[list[int]] | torch.Tensor:
+        """k drafts per request: a device tensor [N, k] from one graph replay when the batch
+        fits the graphs, else lists from the eager path (empty for a request the head has no
+        state for)."""
+        if self.graphs is not None:
+            drafts = self._propose_graph(reqs)
+            if drafts is not None:
+                return drafts
         self._catch_up(reqs)
         drafts, hidden, tokens, live = [], [], [], []
         for i, req in enumerate(reqs):
@@ -113,16 +162,17 @@ class MTPProposer(Proposer):
             st = self.states.get(req.rid)
             if st is None or not st.pending:
                 continue
-            have = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
-            n = min(have.shape[0], req.num_tokens - 1 - st.mtp_len)
+            n = min(sum(p.n for p in st.pending), req.num_tokens - 1 - st.mtp_len)
             if n <= 0:
                 continue
+            have = torch.cat([p.src[p.start:p.start + p.n] for p in st.pending])
             todo.append(req)
             starts.append(st.mtp_len)
             lens.append(n)
             ids.extend(req.tokens(st.mtp_len + 1, st.mtp_len + 1 + n))
             hid.append(have[:n])
-            st.pending = [have[n:]] if have.shape[0] > n else []
+            rest = have.shape[0] - n
+            st.pending = [_Rows(have, n, rest)] if rest else []
         if not todo:
             return
         with torch.inference_mode():
@@ -134,6 +184,51 @@ class MTPProposer(Proposer):
             st = self.states[req.rid]
             st.mtp_len = start + n
             st.first, st.first_at = (last[j], first[j]), st.mtp_len
+
+    def _propose_graph(self, reqs: list[Req]) -> torch.Tensor | None:
+        """Drafts [N, k] from one replay of the MTP graph, or None when a request does not fit
+        it (no state, rows to catch up outside 1..k+1, too long, too many requests)."""
+        k, rows = self.num_steps, self.num_steps + 1
+        b = self.graphs.bucket(len(reqs), max(r.device_len for r in reqs))
+        if b is None:
+            return None
+        states = []
+        for req in reqs:
+            st = self.states.get(req.rid)
+            if st is None:
+                return None
+            n = req.device_len - st.mtp_len
+            if not 1 <= n <= rows or sum(p.n for p in st.pending) != n:
+                return None
+            states.append(st)
+        # steady state: every row comes from the previous verify's hidden states (one source,
+        # gathered in place); otherwise only the pending rows are concatenated (a prefill
+        # chunk's hidden states can be thousands of rows)
+        single = len({id(p.src) for st in states for p in st.pending}) == 1
+        pieces: list[torch.Tensor] = []
+        total = 0  # rows in pieces
+        ids = np.zeros(b * rows, dtype=np.int64)
+        gather = np.zeros(b * rows, dtype=np.int64)
+        for i, (req, st) in enumerate(zip(reqs, states)):
+            ids[i * rows:i * rows + req.device_len - st.mtp_len] = req.tokens(
+                st.mtp_len + 1, req.device_len + 1)
+            row = i * rows
+            for p in st.pending:
+                base = p.start if single else total
+                if not single:
+                    pieces.append(p.src[p.start:p.start + p.n])
+                    total += p.n
+                gather[row:row + p.n] = np.arange(base, base + p.n)
+                row += p.n
+        src = states[0].pending[0].src if single else torch.cat(pieces)
+        starts = [st.mtp_len for st in states]
+        counts = [r.device_len - st.mtp_len for r, st in zip(reqs, states)]
+        drafts = self.graphs.run(b, ids, gather, starts, counts, [r.page_table for r in reqs],
+                                 src)
+        for req, st in zip(reqs, states):
+            st.mtp_len, st.pending, st.first, st.first_at = req.device_len, [], None, -1
+        assert drafts.shape == (len(reqs), k)
+        return drafts
 
     def _run(self, reqs: list[Req], starts: list[int], lens: list[int],
              ids: list[int] | torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
