@@ -125,7 +125,7 @@ def test_a_killed_rank_fails_the_step_and_every_later_call_says_why(checkpoints)
         worker = engine.workers.procs[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # generous: a loaded 2-core CI machine
         while engine.failure is None and time.monotonic() < deadline:
             time.sleep(0.05)  # the watchdog notices the exit without any call
         assert engine.failure is not None and "rank 1" in engine.failure
