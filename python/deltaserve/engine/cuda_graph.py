@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -161,14 +162,24 @@ class GraphRunner:
         if not self.capture:
             hidden, logits, greedy = step()
             return _Graph(step, input_ids, positions, attn, gdn, hidden, logits, greedy)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: lazy inits and autotuning happen outside the graph
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden, logits, greedy = step()
+        graph, (hidden, logits, greedy) = capture(step, self.pool)
         return _Graph(lambda: graph.replay(), input_ids, positions, attn, gdn, hidden, logits,
                       greedy)
+
+
+def capture(step: Callable[[], Any], pool) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture `step` (no arguments, static buffers) as a CUDA graph in memory pool `pool`.
+
+    Two warm-up calls on a side stream first, so lazy initialisation and autotuning happen
+    outside the graph. Returns (graph, what the captured call returned: its static outputs).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out

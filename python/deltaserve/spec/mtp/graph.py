@@ -32,7 +32,7 @@ import torch
 
 from deltaserve.core import ForwardContext
 from deltaserve.engine.attention import PagedAttentionBackend, PagedKVCache, PagedMetadata
-from deltaserve.engine.cuda_graph import buckets
+from deltaserve.engine.cuda_graph import buckets, capture
 from deltaserve.engine.staging import copy_into
 
 
@@ -139,13 +139,5 @@ class MTPGraphs:
 
         if not self.capture:
             return _Graph(step, ints, hidden, cover, drafts)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: lazy inits and autotuning happen outside the graph
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            step()
+        graph, _ = capture(step, self.pool)
         return _Graph(graph.replay, ints, hidden, cover, drafts)
