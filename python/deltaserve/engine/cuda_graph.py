@@ -171,7 +171,8 @@ def capture(step: Callable[[], Any], pool) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Capture `step` (no arguments, static buffers) as a CUDA graph in memory pool `pool`.
 
     Two warm-up calls on a side stream first, so lazy initialisation and autotuning happen
-    outside the graph. Returns (graph, what the captured call returned: its static outputs).
+    outside the graph. The graph holds `step` (and so every tensor it closes over) for as long
+    as the graph lives. Returns (graph, what the captured call returned: its static outputs).
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -182,4 +183,9 @@ def capture(step: Callable[[], Any], pool) -> tuple[torch.cuda.CUDAGraph, Any]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = step()
+    # The graph replays the addresses of every tensor `step` closes over (metadata buffers,
+    # index vectors made before capture); only Python references keep them allocated. Without
+    # this, the allocator hands their memory to other tensors once the caller drops `step`, and
+    # replays read garbage (seen on the H200: the MTP step's row index, then an index assert).
+    graph.keep_alive = step
     return graph, out
