@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from deltaserve.engine.staging import copy_into, host_tensor
+from deltaserve.engine.staging import copy_into, staged
 from deltaserve.ops.attention import kv_append, paged_attention
 
 
@@ -139,8 +139,8 @@ class PagedMetadata:
         lens[:n] += np.asarray(starts, dtype=np.int32)
         # through pinned memory like every other step input (engine/staging.py): a
         # non-blocking copy from pageable numpy memory would still stage synchronously
-        pin = self.page_table.is_cuda
-        self.page_table[:, :cols].copy_(host_tensor(table, torch.int32, pin), non_blocking=pin)
+        self.page_table[:, :cols].copy_(staged(table, torch.int32, self.page_table.device),
+                                        non_blocking=self.page_table.is_cuda)
         copy_into(self.kv_lens, lens)
 
 
