@@ -8,6 +8,8 @@ emulator runs a block's threads as fibers); tests/ops/test_linear_gpu.py owns th
 
 from __future__ import annotations
 
+import re
+
 import kernels_emu
 import pytest
 import torch
@@ -79,3 +81,26 @@ def test_inputs_outside_the_kernel_run_f_linear(emu, monkeypatch, case):
     y = linear_ops.linear(x, w, b)
     assert emu.calls == 0
     assert torch.equal(y, torch.nn.functional.linear(x, w, b))
+
+
+@pytest.mark.parametrize("case,message", [
+    ("rows", "1 to 8 rows"), ("k", "multiple of 8"), ("weight", "weight must be contiguous"),
+    ("dtype", "weight (x's dtype)"), ("bias", "bias must be"), ("misaligned", "16-byte aligned"),
+    ("stride", "multiple of 8 apart")])
+def test_emulated_gemv_binding_names_the_bad_argument(case, message):
+    ops = kernels_emu.load()
+    gen = torch.Generator().manual_seed(4)
+    x, w, b = operands(9 if case == "rows" else 2, 16, 12 if case == "k" else 32,
+                       torch.bfloat16, gen, bias=True)
+    if case == "weight":  # column-major: not contiguous
+        w = w.t().contiguous().t()
+    if case == "dtype":
+        w = w.half()
+    if case == "bias":
+        b = b[:8]
+    if case == "misaligned":
+        x = torch.randn(2 * 32 + 1, generator=gen).to(torch.bfloat16)[1:].view(2, 32)
+    if case == "stride":
+        x = torch.randn(2, 36, generator=gen).to(torch.bfloat16)[:, :32]
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        ops.gemv(x, w, b)
