@@ -41,7 +41,7 @@ struct GemvParams {
   const void* w;     // [N, K] T dense, 16-byte aligned
   const void* bias;  // [N] T, or nullptr
   void* y;           // [M, N] T dense
-  int64_t ldx;       // elements between rows of x (a multiple of 8)
+  int64_t ldx;       // elements between rows of x (a multiple of 8; 0: one row broadcast)
   int M, N, K;       // 1 <= M <= kMaxRows, K % 8 == 0
 };
 
@@ -139,7 +139,7 @@ inline int gemv_warps(int64_t blocks, int multiprocessors) {
 
 template <typename T>
 inline ds_error_t launch_gemv(const GemvParams& p, ds_stream_t stream) {
-  if (p.M < 1 || p.M > kMaxRows || p.N < 1 || p.K < 8 || p.K % 8 != 0 || p.ldx < p.K ||
+  if (p.M < 1 || p.M > kMaxRows || p.N < 1 || p.K < 8 || p.K % 8 != 0 || p.ldx < 0 ||
       p.ldx % 8 != 0)
     return DS_ERROR_INVALID_VALUE;
   int sms = 0;

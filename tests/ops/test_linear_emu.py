@@ -104,3 +104,13 @@ def test_emulated_gemv_binding_names_the_bad_argument(case, message):
         x = torch.randn(2, 36, generator=gen).to(torch.bfloat16)[:, :32]
     with pytest.raises(RuntimeError, match=re.escape(message)):
         ops.gemv(x, w, b)
+
+
+def test_emulated_gemv_reads_a_broadcast_row_of_x(emu):
+    gen = torch.Generator().manual_seed(8)
+    _, w, b = operands(1, 19, 64, torch.bfloat16, gen, bias=True)
+    x = torch.randn(1, 64, generator=gen).to(torch.bfloat16).expand(4, 64)  # row stride 0
+    y = linear_ops.linear(x, w, b)
+    assert emu.calls == 1
+    assert_matches_fp64(y, x, w, b)
+    assert torch.equal(y, y[:1].expand(4, 19))
