@@ -20,6 +20,7 @@ from deltaserve.ops import linear as linear_ops
 
 @pytest.fixture
 def emu(monkeypatch):
+    monkeypatch.setattr(linear_ops, "GEMV_MAX_ROWS", linear_ops.KERNEL_MAX_ROWS)  # ROCm: 0
     return kernels_emu.emulate(monkeypatch)
 
 

@@ -43,6 +43,7 @@ def counted(monkeypatch):
     """The extension's ops, counting calls: a test can tell the kernel ran, not F.linear."""
     ops = kernels_emu.CountingOps(torch.ops.deltaserve)
     monkeypatch.setattr(_ext, "ops", lambda: ops)
+    monkeypatch.setattr(linear_ops, "GEMV_MAX_ROWS", linear_ops.KERNEL_MAX_ROWS)
     return ops
 
 

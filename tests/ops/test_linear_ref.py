@@ -46,7 +46,13 @@ def test_linear_names_mismatched_shapes(x_shape, w_shape, b_shape):
 
 @pytest.mark.parametrize("value,rows", [(None, 8), ("", 8), ("0", 0), ("1", 1), ("8", 8)])
 def test_max_rows_env_sets_the_row_limit(value, rows):
-    assert linear_ops._max_rows_from_env(value) == rows
+    assert linear_ops._max_rows_from_env(value, default=8) == rows
+    assert linear_ops._max_rows_from_env(value, default=0) == (0 if value in (None, "") else rows)
+
+
+def test_the_kernel_is_on_by_default_except_on_rocm():
+    expect = 0 if torch.version.hip else 8
+    assert linear_ops.DEFAULT_MAX_ROWS == expect
 
 
 @pytest.mark.parametrize("value", ["9", "-1", "four", "2.5"])

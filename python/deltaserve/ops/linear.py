@@ -24,12 +24,15 @@ from deltaserve.ops import _ext
 
 KERNEL_MAX_ROWS = 8  # the kernel's limit (the MMA's rows)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+# On ROCm the kernel's MMA is the portable shuffle form (correct, far slower than the tensor
+# cores; gfx1151 would want WMMA), so there the vendor GEMM stays the default.
+DEFAULT_MAX_ROWS = 0 if getattr(torch.version, "hip", None) else KERNEL_MAX_ROWS
 
 
-def _max_rows_from_env(value: str | None) -> int:
-    """DS_GEMV_MAX_ROWS: rows up to which the kernel runs, 0 (off) .. 8; unset: 8."""
+def _max_rows_from_env(value: str | None, default: int = DEFAULT_MAX_ROWS) -> int:
+    """DS_GEMV_MAX_ROWS: rows up to which the kernel runs, 0 (off) .. 8; unset: `default`."""
     if value is None or value == "":
-        return KERNEL_MAX_ROWS
+        return default
     try:
         rows = int(value)
     except ValueError:
