@@ -24,6 +24,7 @@ cat > "$WORK/all_kernels.cu" <<'CU'
 #include "kernels/gdn_replay.cuh"
 #include "kernels/snapshot_copy.cuh"
 #include "kernels/fused.cuh"
+#include "kernels/gemv.cuh"
 
 template <typename T>
 static void instantiate_for() {
@@ -67,6 +68,9 @@ void instantiate_all() {
   instantiate_for<float>();
   instantiate_attention_for<ds::bf16>();
   instantiate_attention_for<ds::f16>();
+  ds::gemv::GemvParams gv{};
+  (void)ds::gemv::launch_gemv<ds::bf16>(gv, nullptr);
+  (void)ds::gemv::launch_gemv<ds::f16>(gv, nullptr);
   ds::gdn::ReplayParams p{};
   for (int k : {32, 64, 128, 256}) (void)ds::gdn::launch_gdn_replay(p, k, nullptr);
   ds::snapshot::SnapshotCopyParams sp{};

@@ -1,6 +1,6 @@
 // The `deltaserve` op library: schemas, Meta (fake) implementations, and the Python module
 // entry point of deltaserve._C. CUDA implementations register from gdn.cu, conv1d.cu,
-// snapshot.cu, fused.cu, fused_gate.cu and attention.cu. Only this file may say
+// snapshot.cu, fused.cu, fused_gate.cu, attention.cu and linear.cu. Only this file may say
 // TORCH_LIBRARY(deltaserve): a second one aborts Python.
 #include <ATen/ops/empty.h>
 #include <Python.h>
@@ -77,6 +77,10 @@ at::Tensor sigmoid_gate_mul_meta(const at::Tensor& o, const at::Tensor&) {
 at::Tensor silu_mul_meta(const at::Tensor& gate_up) {
   return at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
 }
+at::Tensor gemv_meta(const at::Tensor& x, const at::Tensor& weight,
+                     const std::optional<at::Tensor>&) {
+  return at::empty({x.size(0), weight.size(0)}, x.options());
+}
 
 }  // namespace
 
@@ -113,6 +117,7 @@ DS_TORCH_LIBRARY(DS_OPS_NAMESPACE, m) {
         "Tensor sin, float eps) -> (Tensor, Tensor)");
   m.def("sigmoid_gate_mul(Tensor o, Tensor q_gate) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(DS_OPS_NAMESPACE, Meta, m) {
@@ -133,6 +138,7 @@ TORCH_LIBRARY_IMPL(DS_OPS_NAMESPACE, Meta, m) {
   m.impl("qk_norm_rope", &qk_norm_rope_meta);
   m.impl("sigmoid_gate_mul", &sigmoid_gate_mul_meta);
   m.impl("silu_mul", &silu_mul_meta);
+  m.impl("gemv", &gemv_meta);
 }
 
 }  // namespace ds_ops

@@ -76,3 +76,10 @@ def test_attention_ops_report_output_shapes_and_dtypes_on_meta_tensors():
     assert o.shape == (n, r, hq, d) and o.dtype == torch.bfloat16 and o.is_meta
     ops.kv_append(meta(n * r, hkv, d), meta(n * r, hkv, d), cache, cache, meta(n, 5, dtype=i32),
                   meta(n, dtype=i32))
+
+
+def test_gemv_reports_its_output_shape_and_dtype_on_meta_tensors():
+    ops = torch.ops.deltaserve
+    y = ops.gemv(meta(3, 64, dtype=torch.float16), meta(40, 64, dtype=torch.float16), None)
+    assert y.shape == (3, 40) and y.dtype == torch.float16 and y.is_meta
+    assert ops.gemv(meta(1, 64), meta(40, 64), meta(40)).shape == (1, 40)

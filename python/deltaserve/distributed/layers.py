@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.ops.linear import linear
+
 if TYPE_CHECKING:
     from deltaserve.distributed.group import TPGroup
 
@@ -30,7 +32,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(F.linear(x, self.weight))
+        y = self.group.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

@@ -36,7 +36,7 @@ from deltaserve.distributed.layers import (
 )
 from deltaserve.model.attention import GatedAttention
 from deltaserve.model.gdn import GatedDeltaNet
-from deltaserve.model.merged import MergedLinear
+from deltaserve.model.merged import Linear, MergedLinear
 from deltaserve.model.mlp import MLP, SparseMoE
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ def _shard_mlp_rows(mlp: MLP, group: TPGroup, reduce: bool) -> None:
         mlp.down_proj = _row_parallel(mlp.down_proj, start, n, group)
     else:  # a partial sum, reduced with the block it belongs to
         w = mlp.down_proj.weight[:, start:start + n].contiguous()
-        mlp.down_proj = nn.Linear(n, w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        mlp.down_proj = Linear(n, w.shape[0], bias=False, device=w.device, dtype=w.dtype)
         mlp.down_proj.weight = nn.Parameter(w, requires_grad=False)
 
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from deltaserve.model.merged import MergedLinear
+from deltaserve.model.merged import Linear, MergedLinear
 from deltaserve.model.norm import RMSNorm
 from deltaserve.ops import fused
 
@@ -37,7 +37,7 @@ class GatedAttention(nn.Module):
         self.qkv_proj = MergedLinear(hidden, [("q_proj", self.num_heads * d * 2),
                                               ("k_proj", self.num_kv_heads * d),
                                               ("v_proj", self.num_kv_heads * d)], bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, hidden, bias=bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 

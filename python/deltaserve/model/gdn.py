@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from deltaserve.model.merged import MergedLinear
+from deltaserve.model.merged import Linear, MergedLinear
 from deltaserve.model.norm import GatedRMSNorm
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(hv))
         self.dt_bias = nn.Parameter(torch.ones(hv))
         self.norm = GatedRMSNorm(v, config.rms_norm_eps)
-        self.out_proj = nn.Linear(hv * v, hidden, bias=False)
+        self.out_proj = Linear(hv * v, hidden, bias=False)
 
     def prepare(self) -> None:
         """A_log, dt_bias -> fp32 parameters (the unfused path cast them on every call)."""

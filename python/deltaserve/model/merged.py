@@ -6,13 +6,18 @@ holds their weights stacked along the output dim in one parameter, so a layer re
 once and launches one GEMM (as vLLM's `MergedColumnParallelLinear` / `QKVParallelLinear` do).
 The loader copies each checkpoint tensor into its row range (`MergedLinear.parts`); the files on
 disk are unchanged.
+
+Both `MergedLinear` and `Linear` (a single projection: o_proj, out_proj, down_proj, the router,
+mtp.fc, lm_head) compute through `ops.linear.linear`: `F.linear` on the CPU, the gemv kernel for
+decode-sized batches on the GPU.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from deltaserve.ops.linear import linear
 
 
 class MergedLinear(nn.Module):
@@ -36,7 +41,7 @@ class MergedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """y [..., sum(rows)] -> one view [..., rows_i] per part, in `parts` order."""
@@ -53,6 +58,14 @@ class MergedLinear(nn.Module):
     def layout(self) -> str:
         """`q_proj 64 | k_proj 32 | v_proj 32` (for the loader's log line)."""
         return " | ".join(f"{name} {rows}" for name, rows in self.parts)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same checkpoint keys) whose forward is
+    `ops.linear.linear`: x [..., in_features] -> [..., out_features] in x's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 def merged_parts(model: nn.Module) -> dict[str, tuple[str, int, int]]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from deltaserve.model.merged import MergedLinear
+from deltaserve.model.merged import Linear, MergedLinear
 from deltaserve.ops import fused
 from deltaserve.ops.moe import experts_graph_safe, moe_experts, route
 
@@ -31,7 +31,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, [("gate_proj", intermediate),
                                                   ("up_proj", intermediate)])
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
@@ -74,13 +74,13 @@ class SparseMoE(nn.Module):
         hidden = config.hidden_size
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.gate = nn.Linear(hidden, config.num_experts, bias=False)
+        self.gate = Linear(hidden, config.num_experts, bias=False)
         self.experts = Experts(config.num_experts, hidden, config.moe_intermediate_size)
         self.shared_expert: MLP | None = None
-        self.shared_expert_gate: nn.Linear | None = None
+        self.shared_expert_gate: Linear | None = None
         if config.shared_expert_intermediate_size > 0:
             self.shared_expert = MLP(hidden, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_weight, top_idx = route(self.gate(x), self.top_k, self.norm_topk_prob)

@@ -16,6 +16,7 @@ from torch import nn
 
 from deltaserve.model.config import FULL_ATTENTION
 from deltaserve.model.layers import DecoderLayer
+from deltaserve.model.merged import Linear
 from deltaserve.model.norm import RMSNorm
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class MTPHead(nn.Module):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.num_layers = num_layers
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.fc = Linear(2 * hidden, hidden, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps)
         self.pre_fc_norm_hidden = RMSNorm(hidden, eps)
         base = config.num_hidden_layers

@@ -11,13 +11,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.model.layers import DecoderLayer
+from deltaserve.model.merged import Linear
 from deltaserve.model.mtp import MTPHead
 from deltaserve.model.norm import RMSNorm
 from deltaserve.model.rope import RotaryEmbedding
+from deltaserve.ops.linear import linear
 
 if TYPE_CHECKING:
     from deltaserve.core import ForwardContext
@@ -45,9 +46,9 @@ class Model(nn.Module):
             for i, kind in enumerate(config.layer_types))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if num_mtp_layers is None:
             num_mtp_layers = config.mtp_num_hidden_layers
         self.mtp: MTPHead | None = None
@@ -105,5 +106,5 @@ class Model(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> logits [T, vocab] fp32 (matmul in the model dtype, then cast)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = linear(hidden, weight).float()
         return logits if self.vocab_gather is None else self.vocab_gather(logits)

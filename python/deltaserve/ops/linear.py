@@ -1,0 +1,100 @@
+"""Dense projections: y = x Wᵀ (+ b), with a skinny-GEMM kernel for decode-sized batches.
+
+At M <= 8 rows (decode, verify of a few requests) a projection is a stream of its weights, and
+cuBLAS runs these shapes at a third of the copy bandwidth on the H200 (split-K tiles plus a
+reduce kernel: issue 27). `linear` sends them to the extension's `gemv` (csrc/kernels/gemv.cuh:
+one block per 8 output columns over all of K, tensor-core MMAs, one launch); every other input
+runs `linear_ref` = `F.linear`, which is also the CPU path (bitwise what it was) and the oracle.
+
+Contract of the kernel path: fp32 accumulation of exact products of the 16-bit inputs, the bias
+added in fp32, one rounding to x's dtype. The order of the sums differs from cuBLAS (the warps
+of a block each sum a part of K, then the parts are added in warp order), so the result is
+equal to `F.linear` within that fp32 rounding plus one rounding of the output, not bitwise; the
+same inputs give the same bits on every run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from deltaserve.ops import _ext
+
+KERNEL_MAX_ROWS = 8  # the kernel's limit (the MMA's rows)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+# On ROCm the kernel's MMA is the portable shuffle form (correct, far slower than the tensor
+# cores; gfx1151 would want WMMA), so there the vendor GEMM stays the default.
+DEFAULT_MAX_ROWS = 0 if getattr(torch.version, "hip", None) else KERNEL_MAX_ROWS
+
+
+def _max_rows_from_env(value: str | None, default: int = DEFAULT_MAX_ROWS) -> int:
+    """DS_GEMV_MAX_ROWS: rows up to which the kernel runs, 0 (off) .. 8; unset: `default`."""
+    if value is None or value == "":
+        return default
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = -1
+    if not 0 <= rows <= KERNEL_MAX_ROWS:
+        raise ValueError(f"DS_GEMV_MAX_ROWS must be an integer in 0..{KERNEL_MAX_ROWS}, "
+                         f"got {value!r}")
+    return rows
+
+
+# Read once at import (A/B runs set it before starting the process); 0 disables the kernel.
+GEMV_MAX_ROWS = _max_rows_from_env(os.environ.get("DS_GEMV_MAX_ROWS"))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x Wᵀ + b (`F.linear`'s contract).
+
+    x [..., K] (bf16 / fp16 / fp32), weight [N, K], bias [N] or None, all one dtype ->
+    y [..., N] in x's dtype. The gemv kernel runs when all are CUDA tensors of bf16 / fp16,
+    the flattened rows M = x.numel() / K are 1 .. GEMV_MAX_ROWS, K % 8 == 0, the weight is
+    contiguous and x's rows are dense and 16-byte aligned (a view of merged leading dims);
+    its result is F.linear's up to fp32 sum order (module docstring). No host synchronisation
+    and no allocation but the output: CUDA-graph capturable. Everything else is `F.linear`.
+    Raises ValueError when weight is not 2-D or x's last dim is not K, or bias is not [N].
+    """
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear: x [..., K] and weight [N, K] do not match: "
+                         f"{list(x.shape)} and {list(weight.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"linear: bias must be [{weight.shape[0]}], got {list(bias.shape)}")
+    if _gemv_fits(x, weight, bias):
+        rows = _as_rows(x)
+        if rows is not None:
+            y = _ext.ops().gemv(rows, weight, bias)
+            return y.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure-torch linear (any device): `F.linear`."""
+    return F.linear(x, weight, bias)
+
+
+def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    k = weight.shape[1]
+    n_rows = x.numel() // k if k else 0
+    return (0 < n_rows <= GEMV_MAX_ROWS and k % 8 == 0 and weight.shape[0] > 0
+            and x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+            and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+            and _ext.use_extension(x, weight, *(() if bias is None else (bias,))))
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x [..., K] as the kernel's [M, K] rows (a view: dense rows, 16-byte aligned, whole
+    16-byte words apart), or None where its leading dims do not merge or align."""
+    try:
+        rows = x.view(-1, x.shape[-1])
+    except RuntimeError:  # leading dims with strides that do not merge
+        return None
+    ok = (rows.stride(1) == 1 and rows.data_ptr() % 16 == 0
+          and (rows.shape[0] == 1 or rows.stride(0) % 8 == 0))
+    return rows if ok else None
