@@ -57,8 +57,8 @@ _HELP = {
                             "a CPU); rank 0 schedules",
     "distributed_timeout_s": "seconds a tensor-parallel collective or rank may take before "
                              "the engine declares the rank dead",
-    "mtp_cuda_graphs": "run the MTP proposer's catch-up and draft steps eagerly (the target's "
-                       "steps keep their CUDA graphs)",
+    "mtp_cuda_graphs": "run the MTP proposer's catch-up and draft steps as CUDA graphs too "
+                       "(experimental: not yet validated on a GPU; off: the eager proposer)",
     "log_every": "log a step line every N steps (0: off)",
     "seed": "engine random seed",
 }
