@@ -74,7 +74,7 @@ def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
     kw = {}
     if algo is not None:
         kw = dict(speculative_algorithm=algo, speculative_num_steps=k,
-                  speculative_policy=policy, mtp_cuda_graphs=mtp_graphs)
+                  speculative_policy=policy, mtp_cuda_graphs=mtp_graphs and algo == "mtp")
     llm = LLM(model, device=device, dtype=dtype, enable_prefix_cache=False,
               max_running_reqs=max(batch, 8), **kw)
     llm.engine.runner.fold_replay = fold

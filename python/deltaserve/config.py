@@ -128,3 +128,5 @@ class EngineConfig:
             raise ValueError("speculative_policy must be fixed or adaptive")
         if self.speculative_algorithm is None and self.speculative_num_steps:
             raise ValueError("speculative_num_steps needs --speculative-algorithm")
+        if self.mtp_cuda_graphs and self.speculative_algorithm != "mtp":
+            raise ValueError("mtp_cuda_graphs needs --speculative-algorithm mtp")

@@ -238,3 +238,11 @@ def test_generate_heals_the_prompts_last_token_unless_told_not_to(tiny_model, ca
         for h in (True, False))
     assert healed != plain  # the trailing "\n" is backed up on this tokenizer
     assert capsys.readouterr().out == (healed if healing else plain) + "\n"
+
+
+@pytest.mark.parametrize("algo", [None, "ngram"])
+def test_mtp_cuda_graphs_without_the_mtp_proposer_is_an_error(algo):
+    args = ("--mtp-cuda-graphs",) + (("--speculative-algorithm", algo) if algo else ())
+    with pytest.raises(ValueError, match="mtp_cuda_graphs needs --speculative-algorithm mtp"):
+        parse(*args)
+    assert parse("--mtp-cuda-graphs", "--speculative-algorithm", "mtp").mtp_cuda_graphs
