@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call in steps, each under its own timeout, logs under $OUT; the extension is built
+# once (or taken from build/ext_cache when its csrc hash matches) and saved to $OUT for reuse.
+#   STEPS="gemvtest profile stepoff mtptest spec" bash benchmarks/device_call.sh
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+STEPS=${STEPS:-}
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+hash=$(cat setup.py $(find csrc cmake -type f | sort) | sha1sum | cut -c1-12)
+so=$(ls build/ext_cache/$hash/*.so 2>/dev/null | head -1)
+if [ -n "$so" ]; then
+  cp "$so" python/deltaserve/ && echo "extension from cache $hash"
+else
+  t=$SECONDS
+  python3 setup.py build_ext --inplace -j 16 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  echo "built in $((SECONDS - t)) s"
+  mkdir -p "$OUT/ext_$hash" && cp python/deltaserve/_C*.so "$OUT/ext_$hash/" && xz -T8 -3 "$OUT/ext_$hash/"*.so
+  ls -la "$OUT/ext_$hash"
+fi
+python3 -c "import torch, deltaserve.ops._ext as e; print('extension loaded:', e.extension_loaded())"
+run() {  # name timeout cmd...
+  local name=$1 lim=$2; shift 2; local t=$SECONDS
+  timeout -s KILL "$lim" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "== $name rc=$rc $((SECONDS - t))s"; tail -${TAILN:-6} "$OUT/$name.log"
+}
+has gemvtest && run gemvtest 70 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/ops/test_linear_gpu.py
+has linear && run linear 60 python3 benchmarks/bench_linear.py --out "$OUT/linear.json"
+has profile && TAILN=12 DS_GEMV_MAX_ROWS=8 run profile 170 python3 benchmarks/profile_step.py --vocab 248320 --out "$OUT/profile.txt"
+has stepoff && DS_GEMV_MAX_ROWS=0 run stepoff 60 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --out "$OUT/stepoff.json"
+has stepon && DS_GEMV_MAX_ROWS=8 run stepon 60 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --out "$OUT/stepon.json"
+has mtptest && run mtptest 90 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/spec/test_gpu_mtp_graph.py
+has spec && TAILN=14 run spec ${SPEC_T:-150} python3 benchmarks/bench_spec.py --workload heldout --corpus build/spec_corpus --batches 1,32 --ks 3 --max-tokens 64 --mtp-graphs on --out "$OUT/spec.json"
+echo "total ${SECONDS}s"

@@ -1,0 +1,142 @@
+"""Where a step's wall time goes: per-step wall-time distribution of decode, and host/device
+profiles of decode and of a short prompt's time to first token, on the 0.8B config.
+
+bench_e2e.py gives the headline figures; this script explains them. It prints, for decode at
+batch 1 and 32: the distribution of `LLMEngine.step()` wall times (median, mean, p90, max;
+a mean far above the median means some steps are slow) beside tok/s of `LLM.generate`; then
+cProfile's top functions (cumulative) of one `generate` of a decode run and of a 256-token
+prompt's first token; then torch.profiler's top CPU ops and CUDA kernels of that prompt.
+
+    python benchmarks/profile_step.py --vocab 248320 --out profile.txt
+    python benchmarks/profile_step.py --model default --out profile_default.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import tempfile
+import time
+
+import torch
+from bench_e2e import build_checkpoint, given_checkpoint, prompt  # a sibling script
+
+from deltaserve import LLM, SamplingParams
+
+
+def step_walls(llm: LLM, batch: int, vocab: int, steps: int) -> dict:
+    """Wall seconds of every decode step of `batch` 128-token greedy requests."""
+    eng = llm.engine
+    for i in range(batch):
+        eng.add_request(prompt(128, vocab, 200 + i),
+                        SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True))
+    while any(r.device_len < r.prompt_len for r in eng.scheduler.running) \
+            or eng.scheduler.waiting:
+        eng.step()
+    torch.cuda.synchronize()
+    walls = []
+    while eng.has_unfinished():
+        t = time.perf_counter()
+        eng.step()
+        walls.append(time.perf_counter() - t)
+    walls = walls[2:-2]
+    walls.sort()
+    return {"median_ms": 1e3 * statistics.median(walls), "mean_ms": 1e3 * statistics.mean(walls),
+            "p90_ms": 1e3 * walls[int(0.9 * len(walls))], "max_ms": 1e3 * walls[-1],
+            "n": len(walls)}
+
+
+def cprofile(fn, limit: int = 45) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(limit)
+    s.write("\n--- by self time ---\n")
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    return s.getvalue()
+
+
+def torch_profile(fn) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    return (ka.table(sort_by="cpu_time_total", row_limit=40) + "\n"
+            + ka.table(sort_by="self_device_time_total", row_limit=40))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--vocab", type=int, default=248320)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--out", default="profile.txt")
+    args = ap.parse_args()
+    out = []
+
+    def say(s: str) -> None:
+        print(s, flush=True)
+        out.append(s)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model is None:
+            build_checkpoint(tmp, 1024, 24, args.vocab)
+            path = tmp
+        else:
+            path, _, args.vocab = given_checkpoint(args.model)
+        llm = LLM(path, device="cuda", dtype="bfloat16", kv_memory_gb=8.0, page_size=16,
+                  chunk_size=8192, max_num_batched_tokens=8192, max_running_reqs=64)
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        dec = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
+        for b in (1, 32):  # warm-up: graphs, Triton compiles
+            llm.generate([prompt(128, args.vocab, 100 + i) for i in range(b)], dec)
+        for _ in range(2):
+            llm.engine.flush_cache()
+            llm.generate([prompt(256, args.vocab, 7)], one)
+        for b in (1, 32):
+            st = step_walls(llm, b, args.vocab, args.steps)
+            ps = [prompt(128, args.vocab, 300 + i) for i in range(b)]
+            llm.engine.flush_cache()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate(ps, one)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            llm.engine.flush_cache()
+            llm.generate(ps, dec)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            per_tok = ((t2 - t1) - (t1 - t0)) / (args.steps - 1)
+            say(f"batch {b}: step wall {st}; generate: {1e3 * per_tok:.3f} ms per step, "
+                f"{b / per_tok:.0f} tok/s")
+        llm.engine.flush_cache()
+        say("=== cProfile: generate, batch 1, decode ===")
+        ps = [prompt(128, args.vocab, 400)]
+        say(cprofile(lambda: llm.generate(ps, dec)))
+        for i in range(3):
+            llm.engine.flush_cache()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            llm.generate([prompt(256, args.vocab, 20 + i)], one)
+            torch.cuda.synchronize()
+            say(f"ttft 256: {1e3 * (time.perf_counter() - t):.1f} ms")
+        llm.engine.flush_cache()
+        say("=== cProfile: ttft 256 ===")
+        say(cprofile(lambda: llm.generate([prompt(256, args.vocab, 30)], one)))
+        llm.engine.flush_cache()
+        say("=== torch.profiler: ttft 256 ===")
+        say(torch_profile(lambda: llm.generate([prompt(256, args.vocab, 31)], one)))
+    with open(args.out, "w") as f:
+        f.write("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
