@@ -47,10 +47,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     tensor_parallel_size: int = 1  # worker processes (one per GPU); > 1: deltaserve/distributed
     distributed_timeout_s: float = 120.0  # a collective or a rank's answer waits at most this
-    # with cuda_graphs: the MTP catch-up + drafts as graphs too. Off until they pass on a GPU:
-    # on 12-03 they crashed there (freed metadata, fixed in engine/cuda_graph.capture) and
-    # the fix's GPU check ran out of device time.
-    mtp_cuda_graphs: bool = False
+    # with cuda_graphs and the mtp proposer: the MTP catch-up + drafts as graphs too (the GPU
+    # tests passed on 12-04, tests/spec/test_gpu_mtp_graph.py); False: the eager proposer
+    mtp_cuda_graphs: bool = True
     log_every: int = 0  # step log line every N steps; 0 = off
 
     def resolve_speculation(self) -> None:
@@ -128,5 +127,3 @@ class EngineConfig:
             raise ValueError("speculative_policy must be fixed or adaptive")
         if self.speculative_algorithm is None and self.speculative_num_steps:
             raise ValueError("speculative_num_steps needs --speculative-algorithm")
-        if self.mtp_cuda_graphs and self.speculative_algorithm != "mtp":
-            raise ValueError("mtp_cuda_graphs needs --speculative-algorithm mtp")

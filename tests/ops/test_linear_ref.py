@@ -50,9 +50,11 @@ def test_max_rows_env_sets_the_row_limit(value, rows):
     assert linear_ops._max_rows_from_env(value, default=0) == (0 if value in (None, "") else rows)
 
 
-def test_the_kernel_is_opt_in_until_it_is_measured_on_a_gpu():
-    assert linear_ops._max_rows_from_env(None) == 0
-    assert linear_ops._max_rows_from_env("8") == 8
+def test_the_kernel_is_on_by_default_on_cuda_and_off_on_rocm():
+    expected = 0 if torch.version.hip else linear_ops.KERNEL_MAX_ROWS
+    assert linear_ops.DEFAULT_MAX_ROWS == expected
+    assert linear_ops._max_rows_from_env(None) == expected
+    assert linear_ops._max_rows_from_env("0") == 0
 
 
 @pytest.mark.parametrize("value", ["9", "-1", "four", "2.5"])

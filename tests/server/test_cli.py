@@ -241,8 +241,10 @@ def test_generate_heals_the_prompts_last_token_unless_told_not_to(tiny_model, ca
 
 
 @pytest.mark.parametrize("algo", [None, "ngram"])
-def test_mtp_cuda_graphs_without_the_mtp_proposer_is_an_error(algo):
-    args = ("--mtp-cuda-graphs",) + (("--speculative-algorithm", algo) if algo else ())
-    with pytest.raises(ValueError, match="mtp_cuda_graphs needs --speculative-algorithm mtp"):
+def test_disabling_mtp_cuda_graphs_without_the_mtp_proposer_is_an_error(algo):
+    args = ("--disable-mtp-cuda-graphs",) + (("--speculative-algorithm", algo) if algo else ())
+    with pytest.raises(ValueError, match="--disable-mtp-cuda-graphs needs --speculative-algo"):
         parse(*args)
-    assert parse("--mtp-cuda-graphs", "--speculative-algorithm", "mtp").mtp_cuda_graphs
+    assert not parse("--disable-mtp-cuda-graphs", "--speculative-algorithm",
+                     "mtp").mtp_cuda_graphs
+    assert parse("--speculative-algorithm", "mtp").mtp_cuda_graphs

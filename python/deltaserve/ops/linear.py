@@ -24,12 +24,12 @@ from deltaserve.ops import _ext
 
 KERNEL_MAX_ROWS = 8  # the kernel's limit (the MMA's rows)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-# Off by default until it is measured: on the H200 (2026-12-03) 139 of its GPU test cases
-# passed before the session's device time ran out; its speed against cuBLAS and the end-to-end
-# step were not measured, so it cannot yet be said to be faster. Opt in with
-# DS_GEMV_MAX_ROWS=8 (benchmarks/bench_linear.py turns it on for itself). On ROCm the kernel's
-# MMA is the portable shuffle form (correct, far slower than the tensor cores).
-DEFAULT_MAX_ROWS = 0
+# On by default on CUDA: on the H200 (2026-12-04) its 661 GPU test cases passed, and the 0.8B
+# config's batch-1 decode went from 440 to 680 tok/s with it (benchmarks/RESULTS.md; cuBLAS runs
+# these shapes as split-K tiles plus a reduce kernel at 0.7-1.4 TB/s). On ROCm the kernel's MMA
+# is the portable shuffle form (correct, far slower than the tensor cores): off there.
+# DS_GEMV_MAX_ROWS=0..8 overrides (0: every projection on cuBLAS / hipBLAS).
+DEFAULT_MAX_ROWS = 0 if torch.version.hip else 8
 
 
 def _max_rows_from_env(value: str | None, default: int = DEFAULT_MAX_ROWS) -> int:

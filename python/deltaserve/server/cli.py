@@ -57,8 +57,8 @@ _HELP = {
                             "a CPU); rank 0 schedules",
     "distributed_timeout_s": "seconds a tensor-parallel collective or rank may take before "
                              "the engine declares the rank dead",
-    "mtp_cuda_graphs": "run the MTP proposer's catch-up and draft steps as CUDA graphs too "
-                       "(experimental: not yet validated on a GPU; off: the eager proposer)",
+    "mtp_cuda_graphs": "run the MTP proposer's catch-up and draft steps eagerly instead of "
+                       "as CUDA graphs (needs --speculative-algorithm mtp)",
     "log_every": "log a step line every N steps (0: off)",
     "seed": "engine random seed",
 }
@@ -114,6 +114,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from parsed flags; `decode_rows_per_req` follows the speculation flags."""
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     cfg = EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    if "mtp_cuda_graphs" in vars(args) and cfg.speculative_algorithm != "mtp":
+        raise ValueError("--disable-mtp-cuda-graphs needs --speculative-algorithm mtp")
     cfg.validate()
     cfg.resolve_speculation()
     return cfg
