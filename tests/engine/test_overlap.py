@@ -9,7 +9,16 @@ from functools import partial
 
 import pytest
 import torch
-from overlap_driver import abort, add, drive, make_engine, snapshots, stop_at, stop_on_grid
+from overlap_driver import (
+    abort,
+    add,
+    drive,
+    first_new,
+    make_engine,
+    snapshots,
+    stop_at,
+    stop_on_grid,
+)
 
 from deltaserve import SamplingParams
 from deltaserve.core import Req
@@ -57,7 +66,7 @@ def test_rows_that_need_the_previous_token_on_the_host_do_not_overlap():
 
 
 def test_a_mixed_workload_gives_the_synchronous_tokens(ckpt):
-    prompts = [tokens(n, seed=n) for n in (5, 40, 70, 17, 90, 33)]
+    prompts = [tokens(n, seed=n) for n in (5, 40, 70, 17, 90, 33, 26)]
     sync_engine = partial(make_engine, ckpt, False)
     params = [
         greedy(9),
@@ -66,23 +75,28 @@ def test_a_mixed_workload_gives_the_synchronous_tokens(ckpt):
         stop_at(sync_engine, prompts[3], sampled(20, seed=11, top_k=5, min_p=0.05), 6),
         greedy(30),  # aborted mid-decode
         sampled(12, seed=5, temperature=1.3),  # arrives mid-decode
+        SamplingParams(temperature=0.0, max_tokens=20),  # EOS (below) at step 4 or later
     ]
+    (alone,) = drive(sync_engine(), {0: [add(6, prompts[6], greedy(20))]}).values()
+    eos = alone.tokens[first_new(alone.tokens, 4)]
     script = {0: [add(i, prompts[i], params[i]) for i in range(4)],
-              1: [add(4, prompts[4], params[4])],
+              1: [add(4, prompts[4], params[4]), add(6, prompts[6], params[6])],
               5: [add(5, prompts[5], params[5])],
               8: [abort(4)]}
     sync, over = make_engine(ckpt, overlap=False), make_engine(ckpt, overlap=True)
+    for eng in (sync, over):
+        eng.eos_ids.add(eos)  # the scheduler's set: only request 6 does not ignore EOS
     want, got = drive(sync, script), drive(over, script)
     assert over.overlap is not None and over.overlap.overlapped_steps > 10
     assert sync.overlap is None
-    for rid in (0, 1, 2, 3, 5):
+    for rid in (0, 1, 2, 3, 5, 6):
         assert (got[rid].tokens, got[rid].reason) == (want[rid].tokens, want[rid].reason), rid
-    assert [want[r].reason for r in (1, 3)] == ["stop", "stop"]
-    assert len(want[1].tokens) < 20 and len(want[3].tokens) < 20
+    assert [want[r].reason for r in (1, 3, 6)] == ["stop"] * 3
+    assert all(len(want[r].tokens) < 20 for r in (1, 3, 6)) and want[6].tokens[-1] == eos
     # the abort came at the same call, but an overlapped engine has emitted one step less
     a, b = got[4].tokens, want[4].tokens
     assert 0 < len(a) <= len(b) < 30 and b[:len(a)] == a
-    assert over.overlap.discarded_rows > 0  # the stop-token rows one step past their finish
+    assert over.overlap.discarded_rows >= 3  # the stop rows one step past their finish
     assert_drained(over)
     assert_drained(sync)
 
