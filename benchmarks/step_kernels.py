@@ -2,7 +2,8 @@
 
 - kernels: torch.profiler's count of CUDA kernels (memcpy / memset excluded) launched by one
   decode step at batch 1 that replays a captured graph; per layer = that count / layers
-  (embedding, final norm, lm_head and argmax are in the count too). Target: <= 14 a layer.
+  (embedding, final norm, lm_head and argmax are in the count too, and with overlap
+  scheduling the gather of the previous step's tokens into the inputs). Target: <= 14 a layer.
 - host gap: wall time of `LLMEngine.step()` per decode step minus the device time of the
   step's graph replay alone (CUDA events around `replay()`, same bucket). Target: <= 5% of it.
   With overlap scheduling (engine/overlap.py, on by default) the host builds step n+1 while
@@ -48,6 +49,8 @@ def decode_request(eng, vocab: int, tokens: int = 64, batch: int = 1) -> None:
 def kernels_per_step(eng, vocab: int) -> dict:
     """CUDA kernels of one graph-replayed batch-1 decode step (see the module doc)."""
     decode_request(eng, vocab)
+    # with overlap the step in flight would finish inside the window: count one step alone
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         eng.step()
         torch.cuda.synchronize()
