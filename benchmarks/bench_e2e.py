@@ -13,7 +13,9 @@ when --anchor is given. Prints a table and writes JSON.
     python benchmarks/bench_e2e.py --vocab 248320 --step-only   # the 0.8B config's step figures
 
 Every run also prints kernels per decode step and per layer, and the host gap per step, each
-beside its target (step_kernels.py); --step-only prints only those (no prefill or decode runs).
+beside its target (step_kernels.py), then the host gap and decode tok/s with overlap scheduling
+on and off at batch 1 and 32 beside the graph-bound tok/s (batch / graph device time per step);
+--step-only prints only those (no prefill or decode runs).
 The defaults are the 0.8B config's shapes (issue 27) except the vocabulary: pass --vocab 248320.
 """
 
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import e2e_configs
 import torch
-from step_kernels import host_gap, kernels_per_step  # a sibling script
+from step_kernels import host_gap, kernels_per_step, overlap_table  # a sibling script
 
 from deltaserve import LLM, SamplingParams
 
@@ -110,6 +112,8 @@ def main() -> None:
                     help="only decode tok/s at long contexts (long_context_decode)")
     ap.add_argument("--step-only", action="store_true",
                     help="only the kernels per step and the host gap (fast)")
+    ap.add_argument("--disable-overlap-schedule", action="store_true",
+                    help="synchronous decode steps throughout (engine/overlap.py)")
     ap.add_argument("--out", default="e2e.json")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks (one GPU each); --config's dummy weights are drawn at shard "
@@ -136,6 +140,7 @@ def main() -> None:
             path, res["params"], args.vocab = given_checkpoint(args.model)
             args.hidden = args.layers = 0  # not used: the checkpoint's own
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+        kwargs["overlap_schedule"] = not args.disable_overlap_schedule
         t_load = time.perf_counter()
         llm = LLM(path, **kwargs)
         if args.config is not None:
@@ -185,11 +190,15 @@ def main() -> None:
 
 
 def step_figures(llm: LLM, vocab: int, n_params: int) -> dict:
-    """Kernels per decode step and host gap at batch 1 (step_kernels.py), with the weight-read
-    roofline of a batch-1 step (bf16 weights once / 4,274 GB/s)."""
+    """Kernels per decode step and host gap at batch 1 as configured (overlap scheduling on
+    unless --disable-overlap-schedule), then host gap and decode tok/s beside the graph's
+    device-bound tok/s with overlap on and off at batch 1 and 32 (step_kernels.py), with the
+    weight-read roofline of a batch-1 step (bf16 weights once / 4,274 GB/s)."""
     eng = llm.engine
     out = kernels_per_step(eng, vocab)
     out.update(host_gap(eng, vocab))
+    if eng.graphs is not None:
+        out["overlap_table"] = overlap_table(eng, vocab)
     out["roofline_step_s"] = 2 * n_params / 4274e9
     names = out.pop("kernel_names")
     print("kernels in one decode step (name: count):", flush=True)
@@ -211,7 +220,12 @@ def report(res: dict, args) -> None:
               f"{res['roofline_step_s']:.4g})")
         print(f"{'step_device_s':28s} {res['step_device_s']:.4g}")
         print(f"{'host_gap_s':28s} {res['host_gap_s']:.4g} ({100 * res['host_gap_share']:.1f}% "
-              "of the step; target <= 5%)", flush=True)
+              f"of the step; target <= 5%; overlap {'on' if res.get('overlap') else 'off'})",
+              flush=True)
+    for key, r in res.get("overlap_table", {}).items():
+        print(f"{'host_gap_' + key:28s} {r['host_gap_s']:.4g} ({100 * r['host_gap_share']:.1f}%"
+              f"); decode {r['tok_s']:.0f} tok/s, graph-bound {r['device_tok_s']:.0f} tok/s",
+              flush=True)
     for key in ("prefill_tok_s", "decode_b1_tok_s", "decode_b32_tok_s", "ttft_256_s",
                 "ttft_followup_s",
                 "prefill_new_only_s", "ttft_cold_s", "followup_cached_tokens",

@@ -9,6 +9,10 @@ prompt's first token; then torch.profiler's top CPU ops and CUDA kernels of that
 
     python benchmarks/profile_step.py --vocab 248320 --out profile.txt
     python benchmarks/profile_step.py --model default --out profile_default.txt
+    python benchmarks/profile_step.py --vocab 248320 --disable-overlap-schedule  # synchronous
+
+With overlap scheduling (the default) a decode call launches step n+1 and lands step n, so a
+step's wall time is the longer of the host's and the device's work, not their sum.
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=248320)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", default="profile.txt")
+    ap.add_argument("--disable-overlap-schedule", action="store_true",
+                    help="synchronous decode steps (engine/overlap.py is on by default)")
     args = ap.parse_args()
     out = []
 
@@ -93,7 +99,8 @@ def main() -> None:
         else:
             path, _, args.vocab = given_checkpoint(args.model)
         llm = LLM(path, device="cuda", dtype="bfloat16", kv_memory_gb=8.0, page_size=16,
-                  chunk_size=8192, max_num_batched_tokens=8192, max_running_reqs=64)
+                  chunk_size=8192, max_num_batched_tokens=8192, max_running_reqs=64,
+                  overlap_schedule=not args.disable_overlap_schedule)
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         dec = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
         for b in (1, 32):  # warm-up: graphs, Triton compiles

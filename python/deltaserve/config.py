@@ -45,6 +45,9 @@ class EngineConfig:
     speculative_policy: str = "adaptive"  # fixed: always k drafts; adaptive: k or 0 per step
     radix_lookahead: bool | None = None  # lookahead radix keys; None: on exactly for mtp
     cuda_graphs: bool = True
+    # decode: launch step n+1 before step n's tokens reach the host (engine/overlap.py); takes
+    # effect with decode CUDA graphs, without speculation, at tensor_parallel_size 1
+    overlap_schedule: bool = True
     tensor_parallel_size: int = 1  # worker processes (one per GPU); > 1: deltaserve/distributed
     distributed_timeout_s: float = 120.0  # a collective or a rank's answer waits at most this
     # with cuda_graphs and the mtp proposer: the MTP catch-up + drafts as graphs too (the GPU

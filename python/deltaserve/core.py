@@ -172,6 +172,9 @@ class Req:
     cached_len: int = 0
     device_len: int = 0
     pending: int = 0
+    # decode rows launched past device_len whose tokens the host has not processed yet
+    # (overlap scheduling, engine/overlap.py): KV and the live GDN state run this far ahead
+    ahead: int = 0
     slot: int | None = None
     page_table: list[int] = field(default_factory=list)
     prefix_node: Any = None
@@ -244,6 +247,18 @@ class Req:
     def append_output(self, token: int) -> None:
         self.output_ids.append(token)
         self._check()
+
+    def launch_ahead(self) -> None:
+        """An overlapped decode row was launched before the host processed this request's
+        previous ones: it feeds the token the last of them samples, at position device_len +
+        ahead (the count before this call)."""
+        self.ahead += 1
+
+    def land_ahead(self) -> None:
+        """The oldest launched row's token reached the host (committed by the scheduler unless
+        the request finished meanwhile; then the row is discarded)."""
+        assert self.ahead > 0
+        self.ahead -= 1
 
     def widen_pending(self, k: int) -> None:
         """A verify step runs k provisional rows past the pending token (not yet committed)."""

@@ -1,5 +1,6 @@
 """AsyncEngine: the loop thread idles without spinning, aborts free requests, errors surface,
-shutdown stops the thread and fails what is in flight."""
+shutdown stops the thread and fails what is in flight; streams are the same with overlap
+scheduling."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 from live_server import MAX_MODEL_LEN, make_engine
 
 from deltaserve.core import SamplingParams
+from deltaserve.engine.cuda_graph import GraphRunner
 from deltaserve.server.async_engine import AsyncEngine, EngineDeadError
+from drained import assert_drained
 
 
 class CountingEngine:
@@ -164,3 +167,48 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_model):
         with pytest.raises(ValueError, match="stop_token_ids"):
             engine.add_request([1, 2], SamplingParams(max_tokens=2, stop_token_ids=[bad]))
     assert not engine.has_unfinished()
+
+
+def test_streams_with_overlap_scheduling_equal_the_synchronous_engine_and_aborts_free(
+        tiny_model):
+    # the fixed-shape decode step run eagerly (capture=False): the overlap path on a CPU
+    engines = []
+    for overlap in (False, True):
+        eng = make_engine(tiny_model)
+        eng.graphs = GraphRunner(eng.runner, eng.cfg.max_running_reqs, 1, eng.max_model_len,
+                                 capture=False)
+        if not overlap:
+            eng.overlap = None
+        engines.append(eng)
+    params = [greedy(12), SamplingParams(max_tokens=10, temperature=0.8, seed=4),
+              greedy(MAX_MODEL_LEN - 32)]
+
+    async def run(async_engine, eng):
+        ids = [eng.tokenizer.encode(t) for t in ("The loop", "A thread", "Overlap")]
+
+        async def collect(i):
+            toks = []
+            async for out in async_engine.generate(ids[i], params[i]):
+                toks += out.new_token_ids
+                if i == 2 and len(toks) >= 5:
+                    break  # the client leaves: the request is aborted mid-decode
+            return toks
+
+        got = await asyncio.gather(*(collect(i) for i in range(3)))
+        for _ in range(200):
+            if await async_engine.call(lambda e: not e.has_unfinished()):
+                return got
+            await asyncio.sleep(0.01)
+        raise AssertionError("the abandoned request is still in the engine")
+
+    results = []
+    for eng in engines:
+        async_engine = AsyncEngine(eng)
+        try:
+            results.append(asyncio.run(run(async_engine, eng)))
+        finally:
+            async_engine.shutdown()
+        assert_drained(eng)
+    (sync, over) = results
+    assert over[:2] == sync[:2] and len(over[0]) == 12 and len(over[1]) == 10
+    assert engines[1].overlap.overlapped_steps > 0

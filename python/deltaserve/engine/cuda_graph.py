@@ -9,7 +9,9 @@ every row. Inputs live in static buffers refilled before each replay; padding re
 padding slot 0 and the padding page 0, so they never touch a real request. Outputs (logits,
 their per-row argmax, hidden, the verify stash and conv inputs that `commit` reads) stay valid
 until the next replay. Drafts a proposer left on the device (`Batch.draft_tensor`, the MTP
-graph's output) are copied into a verify graph's input ids on the device. Inputs are staged in
+graph's output) are copied into a verify graph's input ids on the device, and so are the tokens
+of an overlapped decode step (`DeviceTokens`: the previous step's sampled tokens, gathered by a
+row index, engine/overlap.py). Inputs are staged in
 pinned host memory and copied without blocking (engine/staging.py); the argmax in the graph
 lets a greedy step copy only its tokens back. A verify graph always takes pending rows from a
 static int32 buffer (zeros when none are pending for its batch). MoE models are captured when
@@ -38,6 +40,17 @@ def buckets(limit: int, start: int) -> list[int]:
     while out[-1] < limit:
         out.append(out[-1] * 2)
     return out
+
+
+@dataclass
+class DeviceTokens:
+    """Inputs of a decode step launched before the previous step's tokens reached the host
+    (engine/overlap.py): request i feeds tokens[index[i]] (tokens int64 [M], index int64 [N],
+    both on the device) at position starts[i] (its device_len + ahead, known on the host)."""
+
+    starts: list[int]
+    tokens: torch.Tensor
+    index: torch.Tensor
 
 
 @dataclass
@@ -76,20 +89,28 @@ class GraphRunner:
         self.graph_steps = 0
         self.eager_steps = 0
 
-    def bucket(self, batch: Batch) -> tuple[int] | None:
-        """The batch bucket of `batch`, or None: another phase, or more requests or positions
-        than the graphs were sized for (the engine runs it eagerly)."""
+    def bucket(self, batch: Batch, starts: list[int] | None = None) -> tuple[int] | None:
+        """The batch bucket of `batch` (its requests' first positions `starts`, default each
+        device_len), or None: another phase, or more requests or positions than the graphs
+        were sized for (the engine runs it eagerly)."""
         if batch.phase is not self.phase or batch.rows_per_req != self.rows:
             return None
-        if max(r.device_len for r in batch.reqs) + self.rows > self.max_kv_len:
+        if starts is None:
+            starts = [r.device_len for r in batch.reqs]
+        if max(starts) + self.rows > self.max_kv_len:
             return None
         b = next((x for x in self.batch_buckets if x >= batch.size), None)
         return None if b is None else (b,)
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, keep_hidden: bool = False) -> ForwardOutput | None:
-        """Run `batch` through its bucket's graph; None when no bucket fits (run eagerly)."""
-        key = self.bucket(batch)
+    def forward(self, batch: Batch, keep_hidden: bool = False,
+                device_tokens: DeviceTokens | None = None) -> ForwardOutput | None:
+        """Run `batch` through its bucket's graph; None when no bucket fits (run eagerly).
+        With `device_tokens` (a decode batch) the rows' tokens and positions come from there
+        instead of the requests' committed tokens and device_len."""
+        starts = device_tokens.starts if device_tokens is not None \
+            else [r.device_len for r in batch.reqs]
+        key = self.bucket(batch, starts)
         if key is None:
             self.eager_steps += batch.phase is self.phase
             return None
@@ -108,15 +129,18 @@ class GraphRunner:
         if on_device:  # the pending tokens from here, the drafts below from the device
             ids[:n * rows:rows] = [r.tokens(r.device_len, r.device_len + 1)[0]
                                    for r in batch.reqs]
-        else:
+        elif device_tokens is None:
             ids[:n * rows] = runner.input_ids(batch)
         pos = np.zeros(b * rows, dtype=np.int64)
-        pos[:n * rows] = row_positions([r.device_len for r in batch.reqs], rows)
+        pos[:n * rows] = row_positions(starts, rows)
         slots = np.zeros(b, dtype=np.int32)
         slots[:n] = slot_ids
         copy_into(g.input_ids, ids)
         if on_device:  # in stream order after the staged copy: no host round trip
             g.input_ids.view(b, rows)[:n, 1:].copy_(batch.draft_tensor)
+        if device_tokens is not None:  # likewise, and before this replay overwrites them
+            torch.index_select(device_tokens.tokens, 0, device_tokens.index,
+                               out=g.input_ids[:n])
         copy_into(g.positions, pos)
         copy_into(g.gdn.meta.slots, slots)
         if g.gdn.meta.pending is not None:
@@ -124,8 +148,7 @@ class GraphRunner:
             rows_buf.zero_()
             if pend is not None:
                 rows_buf[:n].copy_(pend)
-        g.attn.fill([r.page_table for r in batch.reqs], [r.device_len for r in batch.reqs],
-                    runner.kv.page_size)
+        g.attn.fill([r.page_table for r in batch.reqs], starts, runner.kv.page_size)
         out = g.replay()
         if out is not None:  # uncaptured: the eager step returned fresh tensors
             g.hidden, g.logits, g.greedy = out

@@ -4,27 +4,22 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from deltaserve.cache.host_bank import HostSnapshotBank
-from deltaserve.cache.lookahead import lookahead_keys
-from deltaserve.cache.page_pool import PagePool
-from deltaserve.cache.prefix_cache import PrefixCache
-from deltaserve.cache.state_pool import GDNStatePool
 from deltaserve.config import EngineConfig
-from deltaserve.core import Phase, Req, SamplingParams
-from deltaserve.engine.attention import PagedKVCache
+from deltaserve.core import Batch, Phase, Req, SamplingParams
+from deltaserve.engine.caches import build_caches
 from deltaserve.engine.cuda_graph import GraphRunner
 from deltaserve.engine.forks import ForkGroups, parent_params
 from deltaserve.engine.grammar import GrammarBackend
 from deltaserve.engine.healing import TokenHealer, healing_rows, mask_first_tokens
 from deltaserve.engine.logprobs import TokenLogprob, step_logprobs
 from deltaserve.engine.model_runner import ModelRunner
+from deltaserve.engine.overlap import OverlapScheduler
 from deltaserve.engine.requests import new_req
 from deltaserve.engine.sampling import SamplingRow, sample_rows
 from deltaserve.engine.spec_protocol import load_spec_runtime
@@ -117,7 +112,8 @@ class LLMEngine:
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self._build_caches()
+        (self.kv, self.draft_kv, self.page_pool, self.state_pool, self.host_bank,
+         self.prefix_cache) = build_caches(cfg, mc, self.max_model_len, self.device, self.dtype)
         self.runner = ModelRunner(self.model, self.kv, self.state_pool, self.device,
                                   cfg.max_running_reqs, cfg.decode_rows_per_req,
                                   draft_kv=self.draft_kv)
@@ -164,44 +160,9 @@ class LLMEngine:
         self._grammar: GrammarBackend | None = None  # built by the first structured request
         self._healer: TokenHealer | None = None  # built by the first token-healing request
         self.forks = ForkGroups(self._queue)
-
-    def _build_caches(self) -> None:
-        cfg, mc = self.cfg, self.model.config
-        attn_layers = list(mc.attention_layer_ids)
-        # the MTP head's draft KV: a parallel pool indexed by the target's page ids
-        draft_layers = list(mc.mtp_layer_ids) if cfg.speculative_algorithm == "mtp" else []
-        if cfg.num_pages is not None:
-            num_pages = cfg.num_pages
-        else:
-            per_page = PagedKVCache.bytes_per_page(len(attn_layers) + len(draft_layers),
-                                                   cfg.page_size,
-                                                   mc.num_key_value_heads, mc.head_dim,
-                                                   self.dtype)
-            num_pages = max(2, int(cfg.kv_memory_gb * 2**30) // per_page)
-            # never more than every running request at full length could use
-            cap = cfg.max_running_reqs * -(-(self.max_model_len + cfg.decode_rows_per_req)
-                                           // cfg.page_size) + 1
-            num_pages = min(num_pages, cap)
-        self.kv = PagedKVCache(attn_layers, num_pages, cfg.page_size, mc.num_key_value_heads,
-                               mc.head_dim, self.dtype, self.device)
-        self.draft_kv = (PagedKVCache(draft_layers, num_pages, cfg.page_size,
-                                      mc.num_key_value_heads, mc.head_dim, self.dtype,
-                                      self.device) if draft_layers else None)
-        self.page_pool = PagePool(num_pages, cfg.page_size)
-        snapshot_slots = (cfg.num_snapshot_slots if cfg.num_snapshot_slots is not None
-                          else 2 * cfg.max_running_reqs)
-        num_slots = 1 + 2 * cfg.max_running_reqs + snapshot_slots
-        self.state_pool = GDNStatePool(
-            mc.num_gdn_layers, num_slots, mc.linear_num_value_heads, mc.linear_value_head_dim,
-            mc.linear_key_head_dim, mc.conv_dim, mc.linear_conv_kernel_dim, self.device,
-            self.dtype)
-        # evicted device snapshots move here instead of being dropped
-        self.host_bank = (HostSnapshotBank.like(self.state_pool, cfg.host_snapshot_slots)
-                          if cfg.host_snapshot_slots > 0 and cfg.enable_prefix_cache else None)
-        self.prefix_cache = PrefixCache(self.page_pool, self.state_pool, cfg.page_size,
-                                        grid=math.lcm(cfg.snapshot_grid, cfg.page_size),
-                                        key_fn=lookahead_keys if cfg.radix_lookahead else None,
-                                        host_bank=self.host_bank)
+        # decode steps launched ahead (engine/overlap.py): used where decode graphs exist
+        self.overlap = (OverlapScheduler(self) if cfg.overlap_schedule and self.spec is None
+                        and cfg.tensor_parallel_size == 1 else None)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
@@ -309,11 +270,18 @@ class LLMEngine:
 
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one batch; return the outputs of requests that advanced."""
-        start = time.perf_counter()
+        """Schedule and run one batch; return the outputs of requests that advanced. With
+        overlap scheduling (engine/overlap.py) a decode step's outputs come with the next
+        call, which launches the step after it first."""
+        if self.overlap is not None:
+            return self.overlap.step()
         batch = self.scheduler.schedule()
-        if batch is None:
-            return []
+        return self.run_batch(batch) if batch is not None else []
+
+    def run_batch(self, batch: Batch) -> list[RequestOutput]:
+        """Run a scheduled batch synchronously (forward, grammar and healing masks, sampling,
+        the tokens copied back, commit) and return the outputs of requests that advanced."""
+        start = time.perf_counter()
         spec = self.spec
         if batch.phase is Phase.VERIFY:
             spec.propose(batch)
@@ -351,14 +319,21 @@ class LLMEngine:
         self.num_steps += 1
         if self.policy is not None and batch.phase is not Phase.PREFILL:
             self.policy.on_step(batch.rows_per_req - 1, batch.size, time.perf_counter() - start)
-        self._log_step(batch)
-        outputs = []
-        now = time.monotonic()
+        self.log_step(batch)
         new_by_rid = {r.rid: r.output_ids[before[r.rid]:] for r in batch.reqs}
         logprobs = step_logprobs(out.logits, out.owners, new_by_rid)
         for req in constrained:
             GrammarBackend.advance(req, new_by_rid[req.rid])
-        for req in batch.reqs:
+        return self.emit(batch.reqs, new_by_rid, logprobs)
+
+    def emit(self, reqs: list[Req], new_by_rid: dict[int, list[int]],
+             logprobs: dict[int, list[TokenLogprob]] | None = None) -> list[RequestOutput]:
+        """The outputs of `reqs` after a step committed `new_by_rid[rid]` to each (those with
+        no new token that did not finish are left out); finished requests are forgotten, and
+        fork parents' outputs turned into their choices' admission (engine/forks.py)."""
+        outputs = []
+        now = time.monotonic()
+        for req in reqs:
             new_ids = new_by_rid[req.rid]
             if not new_ids and not req.finished:
                 continue
@@ -371,7 +346,8 @@ class LLMEngine:
                 finished=req.finished,
                 finish_reason=req.finish_reason.value if req.finish_reason else None,
                 prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
-                cached_tokens=req.cached_len, new_logprobs=logprobs.get(req.rid)))
+                cached_tokens=req.cached_len,
+                new_logprobs=logprobs.get(req.rid) if logprobs else None))
             if req.finished:
                 self._reqs.pop(req.rid, None)
         return self.forks.on_outputs(outputs)
@@ -403,7 +379,7 @@ class LLMEngine:
         """Mean tokens committed per request per verify step (accepted drafts + 1)."""
         return self.spec_committed / self.spec_steps if self.spec_steps else None
 
-    def _log_step(self, batch) -> None:
+    def log_step(self, batch: Batch) -> None:
         log_step(self, batch)
 
     # ---- introspection ------------------------------------------------------------------

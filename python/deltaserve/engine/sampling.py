@@ -42,9 +42,11 @@ FP32_MAX = torch.finfo(torch.float32).max
 class SamplingRow:
     """What sampling one logits row needs.
 
-    The row samples the token at output position `len(output_ids) + len(drafts)`; `drafts`
-    (a verify row's drafts before it) count as generated for the penalties. `seed` is the
-    request's (drawn at admission when it gave none), any integer in [-2**63, 2**64).
+    The row samples the token at output position `len(output_ids) + len(drafts) + ahead`;
+    `drafts` (a verify row's drafts before it) count as generated for the penalties; `ahead`
+    counts tokens already sampled on the device but not yet in `output_ids` (an overlapped
+    decode row, engine/overlap.py; such rows have no penalties). `seed` is the request's
+    (drawn at admission when it gave none), any integer in [-2**63, 2**64).
     """
 
     params: SamplingParams
@@ -52,10 +54,17 @@ class SamplingRow:
     output_ids: Sequence[int]
     seed: int
     drafts: Sequence[int] = ()
+    ahead: int = 0
 
     @property
     def position(self) -> int:
-        return len(self.output_ids) + len(self.drafts)
+        return len(self.output_ids) + len(self.drafts) + self.ahead
+
+
+def has_penalties(p: SamplingParams) -> bool:
+    """Whether sampling with `p` reads the request's tokens (repetition, presence or
+    frequency penalty): such a row needs its output ids on the host for every step."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 @dataclass(slots=True)
@@ -98,8 +107,7 @@ class SamplingTensors:
         samp, top_k, seeds, pos, temp, top_p, min_p, pen, pen_params = ([] for _ in range(9))
         for i, r in enumerate(rows):  # one pass: this runs on the host every step
             p = r.params
-            if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
-                    or p.frequency_penalty != 0.0:
+            if has_penalties(p):
                 pen.append(i)
                 pen_params.append(p)
             if p.greedy:
@@ -107,7 +115,7 @@ class SamplingTensors:
             samp.append(i)
             top_k.append(p.top_k if 0 < p.top_k < vocab else vocab)
             seeds.append(r.seed if r.seed < 1 << 63 else r.seed - (1 << 64))  # = to_int64
-            pos.append(len(r.output_ids) + len(r.drafts))
+            pos.append(len(r.output_ids) + len(r.drafts) + r.ahead)
             temp.append(p.temperature)
             top_p.append(p.top_p)
             min_p.append(p.min_p)

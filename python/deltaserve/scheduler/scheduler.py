@@ -10,9 +10,10 @@ G = lcm(snapshot_grid, page_size), B <= prompt_len) ends a prefill chunk and is 
 track slot reserved at admission; every intermediate prefill chunk ends on the grid and its end
 is copied to a snapshot slot taken then, when one can be had. All of them enter the prefix
 cache when the request finishes. A finished request whose processed length is on the grid
-gives its live slot to the cache as one more snapshot. A prompt that leaves a cached path
-past that path's last snapshot also ends a chunk at the deepest grid boundary on the shared
-part (a fork snapshot, given to the tree at once: see snapshots.py).
+gives its live slot to the cache as one more snapshot, unless an overlapped decode step
+(engine/overlap.py) already advanced that slot past its last token (`Req.ahead`). A prompt
+that leaves a cached path past that path's last snapshot also ends a chunk at the deepest grid
+boundary on the shared part (a fork snapshot, given to the tree at once: see snapshots.py).
 
 Speculation: decode and verify steps take no snapshot. A verify step runs k+1 rows and replays
 only the accepted ones into the live state, so the state at a grid boundary crossed inside the
@@ -128,7 +129,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- admission ----------------------------------------------------------------------
-    def _admit(self) -> None:
+    def admit(self) -> None:
+        """Admit waiting requests in FIFO order while they fit (the memory rule above): each
+        takes its live slot (restored from its prefix match, else zeroed), its track slots and
+        its matched pages, and joins `running` in prefill. Safe while an overlapped decode step
+        is in flight: slots and pages it writes are only ever handed out after their owner's
+        release, and every device write of a new owner is enqueued after that step."""
         while self.waiting and len(self.running) < self.cfg.max_running_reqs:
             req = self.waiting[0]
             plan = self._plan(req)
@@ -180,7 +186,9 @@ class Scheduler:
             self.cache.unlock(match.node)
         return None, []
 
-    def _ensure_pages(self, req: Req, n_tokens: int) -> None:
+    def ensure_pages(self, req: Req, n_tokens: int) -> None:
+        """Give `req` the pages covering positions [0, n_tokens) (free ones, else evicted
+        from the prefix cache); within what admission reserved for it."""
         need = self.pages_for(n_tokens) - len(req.page_table)
         if need <= 0:
             return
@@ -199,7 +207,7 @@ class Scheduler:
         32k-token prompt stalled every stream for 26 s on CPU when prefill always came first).
         Raises RuntimeError when requests wait and none runs after admission (nothing would
         ever free memory for them: a bug, reported instead of spinning for ever)."""
-        self._admit()
+        self.admit()
         if self.waiting and not self.running:
             raise RuntimeError(
                 f"admission stalled: {len(self.waiting)} waiting, none running; pages free "
@@ -215,7 +223,7 @@ class Scheduler:
                     break
                 n = self.snaps.chunk_len(
                     req, req.schedule_chunk(min(self.cfg.chunk_size, budget)))
-                self._ensure_pages(req, req.device_len + n)
+                self.ensure_pages(req, req.device_len + n)
                 reqs.append(req)
                 lens.append(n)
                 budget -= n
@@ -228,7 +236,7 @@ class Scheduler:
             rows = 1 + self.choose_drafts(decoding)
             assert rows in (1, self.cfg.decode_rows_per_req), rows
         for req in decoding:
-            self._ensure_pages(req, req.device_len + rows)
+            self.ensure_pages(req, req.device_len + rows)
             if rows > 1:
                 req.widen_pending(rows - 1)
         phase = Phase.VERIFY if rows > 1 else Phase.DECODE
@@ -326,7 +334,9 @@ class Scheduler:
         if self.cfg.enable_prefix_cache and req.finish_reason is not FinishReason.ABORT:
             n_pages = req.device_len // self.page_size
             snaps = dict(req.snapshots)
-            if req.device_len % self.grid == 0 and req.device_len > 0 \
+            # req.ahead > 0: an overlapped decode step already ran the live state past
+            # device_len (a stop token found one step late), so it is no snapshot of it
+            if req.device_len % self.grid == 0 and req.device_len > 0 and req.ahead == 0 \
                     and req.device_len not in snaps:
                 snaps[req.device_len] = req.slot
             # with lookahead keys the last cached position pairs with the token after it

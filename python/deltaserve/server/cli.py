@@ -53,6 +53,9 @@ _HELP = {
                           "runs k drafts or a plain decode, whichever the measured step costs "
                           "and running acceptance say is faster)",
     "cuda_graphs": "run decode without CUDA graphs",
+    "overlap_schedule": "build each decode step only after the previous step's tokens reached "
+                        "the host (default: the next step is launched while the GPU runs the "
+                        "current one, with CUDA graphs and no speculation)",
     "tensor_parallel_size": "worker processes the model is sharded over (one per GPU; gloo on "
                             "a CPU); rank 0 schedules",
     "distributed_timeout_s": "seconds a tensor-parallel collective or rank may take before "
