@@ -68,6 +68,16 @@ def route_topk_first(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, to
     return torch.softmax(top_logit, dim=-1, dtype=torch.float).to(logits.dtype), top_idx
 
 
+def check_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    """x [T, H], gate_up [E, 2I, H] and down [E, H, I] must fit together (ValueError)."""
+    e, two_i, h = gate_up.shape
+    if x.dim() != 2 or x.shape[1] != h:
+        raise ValueError(f"x must be [T, {h}], got {list(x.shape)}")
+    if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
+        raise ValueError(f"down must be [{e}, {h}, {two_i // 2}] for gate_up "
+                         f"{list(gate_up.shape)}, got {list(down.shape)}")
+
+
 def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_idx: torch.Tensor,
            top_weight: torch.Tensor, shared: torch.Tensor | None = None,
            shared_gate: torch.Tensor | None = None) -> None:
@@ -76,12 +86,7 @@ def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_idx: 
     if shared is not None and (shared.shape != x.shape or shared_gate.shape != (x.shape[0], 1)):
         raise ValueError(f"shared must be {list(x.shape)} and shared_gate [{x.shape[0]}, 1], "
                          f"got {list(shared.shape)} and {list(shared_gate.shape)}")
-    e, two_i, h = gate_up.shape
-    if x.dim() != 2 or x.shape[1] != h:
-        raise ValueError(f"x must be [T, {h}], got {list(x.shape)}")
-    if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
-        raise ValueError(f"down must be [{e}, {h}, {two_i // 2}] for gate_up "
-                         f"{list(gate_up.shape)}, got {list(down.shape)}")
+    check_experts(x, gate_up, down)
     if top_idx.dim() != 2 or top_idx.shape[0] != x.shape[0] or top_idx.dtype != torch.int64:
         raise ValueError(f"top_idx must be [T={x.shape[0]}, k] int64, got "
                          f"{list(top_idx.shape)} {top_idx.dtype}")
