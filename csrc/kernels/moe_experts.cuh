@@ -13,9 +13,10 @@
 // gate rows and the 8 up rows of the weight, so silu * mul happens in the epilogue), down 32
 // output columns. The block's warps split K as gemv.cuh's do, with its remapped-k MMA
 // (mma_16816: rows 0..7 of A from lane group g, rows 8..15 from the second half), and sum their
-// partials in warp order through shared memory. The grid is persistent (at most kBlocksPerSm
-// blocks a multiprocessor, each walking items gridDim.x apart), sized from the static bound on
-// the tiles, and the real item count is read from moe_route's n_tiles: no host sync.
+// partials in warp order through shared memory. A round's loads (kUnroll chunks of each weight
+// row, and the input rows beside them) all go out before its MMAs. The grid is persistent (at
+// most kBlocksPerSm blocks a multiprocessor, each walking items gridDim.x apart), sized from the
+// static bound on the tiles; the real item count is read from moe_route's n_tiles: no host sync.
 //
 // The combine is fused into down without float atomics: each block stores its fp32 rows, fences,
 // and counts one arrival per row on the (token, column group) counter (an integer atomic); the
@@ -36,7 +37,6 @@ namespace moe {
 
 constexpr int kExpertWarps = 4;
 constexpr int kExpertThreads = kExpertWarps * kWarp;
-constexpr int kBlocksPerSm = 4;  // resident blocks a multiprocessor: 128 registers a thread
 constexpr int kChunk = 32;       // k per load of a lane quad (4 lanes x 8 elements)
 
 enum class Stage { kGateUp, kDown };
@@ -46,10 +46,12 @@ struct StageShape;
 template <>
 struct StageShape<Stage::kGateUp> {  // 8 intermediate columns: n-tile 0 = gate, 1 = up rows
   static constexpr int kSub = 2, kCols = 8, kUnroll = 4;
+  static constexpr int kBlocksPerSm = 4;  // resident blocks a multiprocessor (5 spills)
 };
 template <>
 struct StageShape<Stage::kDown> {  // 32 output columns: 4 n-tiles of 8
   static constexpr int kSub = 4, kCols = 32, kUnroll = 2;
+  static constexpr int kBlocksPerSm = 5;  // 102 registers a thread
 };
 static_assert(kExpertThreads == kTileRows * StageShape<Stage::kGateUp>::kCols,
               "gate_up's epilogue: one thread per output of the item");
@@ -89,7 +91,7 @@ DS_DEVICE int weight_col(int group, int sub, int g) {  // output column of n-til
 }
 
 template <typename T, Stage S>
-__global__ void __launch_bounds__(kExpertThreads, kBlocksPerSm)
+__global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kExpertThreads, StageShape<S>::kBlocksPerSm)
     experts_kernel(const ExpertsParams p) {
   using Shape = StageShape<S>;
   constexpr int kSub = Shape::kSub, kUnroll = Shape::kUnroll, kW = kExpertWarps;
@@ -278,7 +280,7 @@ inline ds_error_t launch_experts(const ExpertsParams& p, ds_stream_t stream) {
   int sms = 0;
   const ds_error_t err = multiprocessor_count(&sms);
   if (err != DS_SUCCESS) return err;
-  const int64_t resident = int64_t(sms) * kBlocksPerSm;
+  const int64_t resident = int64_t(sms) * StageShape<S>::kBlocksPerSm;
   const int64_t blocks = p.max_items < resident ? p.max_items : resident;
   return launch(experts_kernel<T, S>, blocks, kExpertThreads, stream, Pdl::kOn, p);
 }

@@ -14,6 +14,7 @@ import re
 import kernels_emu
 import pytest
 import torch
+from moe_inputs import assert_close_to_reference, block_inputs
 
 from deltaserve.ops import _ext
 from deltaserve.ops import moe_fused as mf
@@ -25,27 +26,7 @@ def emu(monkeypatch):
 
 
 def _block(t, e, h, i, si, seed, dtype=torch.bfloat16):
-    """x [T, H], logits [T, E (+1)], gate_up, down and the shared expert's (or None)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
-
-    x = rnd(t, h)
-    logits = rnd(t, e + (si > 0))
-    gate_up, down = rnd(e, 2 * i, h, scale=h ** -0.5), rnd(e, h, i, scale=i ** -0.5)
-    shared = (rnd(2 * si, h, scale=h ** -0.5), rnd(h, si, scale=si ** -0.5)) if si else (None, None)
-    return x, logits, gate_up, down, *shared
-
-
-def assert_close_to_reference(got, want):
-    """Within the contract: fp32 sums in another order, and where they move a value across a
-    rounding point of T (gate, up, h), one ulp there; the output rounded once."""
-    assert got.dtype == want.dtype and got.shape == want.shape
-    ulp = 2.0 ** (-7 if got.dtype == torch.bfloat16 else -10)
-    err = (got.float() - want.float()).abs()
-    tol = 2 * ulp * want.float().abs() + ulp * 0.05 * want.float().abs().max()
-    assert (err <= tol).all(), f"worst {float((err / tol).max()):.2f}x the tolerance"
+    return block_inputs(t, e, h, i, si, torch.Generator().manual_seed(seed), dtype)
 
 
 @pytest.mark.parametrize("t,e,k,shared", [(1, 8, 2, True), (5, 64, 8, False), (33, 300, 4, True),

@@ -1,6 +1,8 @@
-"""The sparse MoE block's ops: routing, expert compute and the weighted combine.
+"""The sparse MoE block's ops: routing, expert compute and the weighted combine, in torch.
 
-Three forms of the expert compute, the same math:
+Decode-sized batches in bf16 / fp16 on the GPU (up to 256 tokens) do not come here: they take
+the extension's kernels (ops/moe_fused.py, docs/kernels.md "MoE decode"). This module serves
+long prefills, fp32 and the CPU. Three forms of the expert compute, the same math:
 - `experts_reference`: a Python loop over the experts this batch hits (transformers'
   `Qwen3_5MoeExperts.forward`, same rounding points). It syncs with the host (the hit list and
   one `where` per expert) and has data-dependent shapes: the CPU path and the oracle.
@@ -14,7 +16,7 @@ Three forms of the expert compute, the same math:
   times its sigmoid gate, in one batched GEMM (fp32 accumulation, one rounding).
 - `experts_gathered`: static shapes, no host sync, for few rows on any device: the selected
   experts' weight slices are gathered per (token, slot) pair and applied as batched GEMVs.
-  The graph-safe decode path where the grouped GEMM would sync.
+  The graph-safe decode path where neither the kernels nor the grouped GEMM run (fp32).
 
 `torch._grouped_mm` runs without a host sync only on its CUTLASS path: CUDA (not ROCm), bf16,
 compute capability 9.x or 10.x (`_grouped_mm_cuda` in aten/src/ATen/native/cuda/GroupedBlas.cpp,
