@@ -100,15 +100,20 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kExpertThreads, StageShape<S>::kBloc
   const int shared_items = p.shared_tiles * static_cast<int>(p.shared.groups.d);
 
   // The shared expert's tiles come first and its weights are never written by a forward: a
-  // block whose first item is one pulls its first weight lines into L2 before the wait.
+  // block whose first item is one pulls its first round of weight lines into L2 before the
+  // wait (no data read: prefetch_l2).
   if (static_cast<int>(blockIdx.x) < shared_items && t == 0) {
     const int group = p.shared.groups.mod(static_cast<int>(blockIdx.x));
 #pragma unroll
     for (int s = 0; s < kSub; ++s) {
       const int col = weight_col<S>(group, s, g);
       const int wr = S == Stage::kGateUp ? col + s * p.shared.N : col;
-      if (col < p.shared.N && warp * kChunk < p.shared.K)
-        prefetch_l2(static_cast<const T*>(p.shared.w) + int64_t(wr) * p.shared.K + warp * kChunk);
+      const T* row = static_cast<const T*>(p.shared.w) + int64_t(wr) * p.shared.K;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = warp + u * kW;
+        if (col < p.shared.N && c * kChunk < p.shared.K) prefetch_l2(row + c * kChunk);
+      }
     }
   }
   grid_dependency_wait();  // the tiles and the input rows come from the kernels before
