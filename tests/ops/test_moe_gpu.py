@@ -35,8 +35,8 @@ def _block(seed: int, dtype=torch.bfloat16) -> SparseMoE:
 def _reference(block: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The block in fp32 with the reference loop, routed on the block's own logits with ties to
     the lower expert (the kernels' rule); and the tokens whose k-th and (k+1)-th logits tie
-    (where torch.topk on the grouped path may pick another expert: left out, the near-tie rule).
-    """
+    (where torch.topk on the grouped path may pick another expert: the near-tie rule leaves them
+    out there)."""
     logits = block.router(x)
     w, idx = moe_fused.route_fused_reference(logits, E, K, block.norm_topk_prob)
     ranked = logits[:, :E].sort(dim=-1, descending=True).values
@@ -74,7 +74,9 @@ def test_the_moe_block_never_syncs_with_the_host_and_matches_the_reference(token
     finally:
         torch.cuda.set_sync_debug_mode("default")
     want, tied = _reference(block, x)
-    assert int(tied.sum()) < max(4, tokens // 4)
+    if kernels:  # the kernels break ties as the reference does: every token compares
+        tied = torch.zeros_like(tied)
+    assert tied.float().mean() < 0.5  # bf16 logits tie at the k-th place for ~1 token in 10
     err = (y.float() - want).abs()[~tied]
     scale = want[~tied].abs()
     assert y.dtype == torch.bfloat16 and y.isfinite().all()
