@@ -46,7 +46,7 @@ struct StageShape;
 template <>
 struct StageShape<Stage::kGateUp> {  // 8 intermediate columns: n-tile 0 = gate, 1 = up rows
   static constexpr int kSub = 2, kCols = 8, kUnroll = 4;
-  static constexpr int kBlocksPerSm = 4;  // resident blocks a multiprocessor (5 spills)
+  static constexpr int kBlocksPerSm = 5;  // resident blocks a multiprocessor: 102 registers
 };
 template <>
 struct StageShape<Stage::kDown> {  // 32 output columns: 4 n-tiles of 8
@@ -160,9 +160,11 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kExpertThreads, StageShape<S>::kBloc
     for (int base = warp; base < chunks; base += kUnroll * kW) {
       const int k0 = base * kChunk + 8 * t;
       const int64_t off0 = int64_t(base) * kChunk;
-      // All of a round's loads go out before its first MMA: the weights from HBM, the input
-      // rows (gathered: other tiles' rows, from L2) beside them, not one L2 trip per MMA.
-      uint4 wv[kUnroll][kSub], xl[kUnroll], xh[kUnroll];
+      // All of a round's loads go out before its first MMA: the weights from HBM, input rows
+      // 0..7 (gathered: other tiles' rows, from L2) beside them, not one L2 trip per MMA. Rows
+      // 8..15 (tiles of > 8 rows: the shared expert's from 9 tokens on, prefill-sized batches)
+      // are loaded at their MMA: registers for them too would cost gate_up its fifth block.
+      uint4 wv[kUnroll][kSub], xl[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const bool in = k0 + u * kW * kChunk < K;
@@ -174,14 +176,15 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kExpertThreads, StageShape<S>::kBloc
       for (int u = 0; u < kUnroll; ++u) {
         const bool in = k0 + u * kW * kChunk < K;
         xl[u] = lo_ok && in ? gemv::load16(alo + off0 + u * kW * kChunk) : zero;
-        xh[u] = two && hi_ok && in ? gemv::load16(ahi + off0 + u * kW * kChunk) : zero;
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (base + u * kW >= chunks) break;  // warp-uniform: every lane runs each MMA
+        const bool in = k0 + u * kW * kChunk < K;
+        const uint4 xh = two && hi_ok && in ? gemv::load16(ahi + off0 + u * kW * kChunk) : zero;
         // k remapped as in gemv.cuh: words 0, 1 of a lane's 8 k feed one MMA, words 2, 3 the next
-        const uint32_t a0[4] = {xl[u].x, xh[u].x, xl[u].y, xh[u].y};
-        const uint32_t a1[4] = {xl[u].z, xh[u].z, xl[u].w, xh[u].w};
+        const uint32_t a0[4] = {xl[u].x, xh.x, xl[u].y, xh.y};
+        const uint32_t a1[4] = {xl[u].z, xh.z, xl[u].w, xh.w};
 #pragma unroll
         for (int s = 0; s < kSub; ++s) {
           const uint32_t b0[2] = {wv[u][s].x, wv[u][s].y}, b1[2] = {wv[u][s].z, wv[u][s].w};

@@ -70,12 +70,12 @@ def _more_than_16_rows(logits):
 
 # off the grids: H = 72 (down's last 32-column group partial, gate_up's K ends mid-chunk),
 # I = 24 (three gate_up column groups, down's K < one chunk), no shared expert, no norm;
-# full grid: gate_up's items, 64 routed tiles x 9 column groups + 4 shared tiles x 2 = 584, are
-# more than the 132 x 4 resident blocks, which then walk several items
+# full grid: gate_up's items, 64 routed tiles x 11 column groups + 4 shared tiles x 2 = 712, are
+# more than the 132 x 5 resident blocks, which then walk several items
 @pytest.mark.parametrize("case,shape,k,norm,shared,edit", [
     ("off the grids", (6, 12, 72, 24), 3, False, 0, None),
     ("an expert with more than 16 rows", (40, 8, 32, 16), 2, True, 16, _more_than_16_rows),
-    ("full grid", (64, 64, 32, 72), 8, True, 16, None)])
+    ("full grid", (64, 64, 32, 88), 8, True, 16, None)])
 def test_emulated_moe_block_matches_the_reference_in_every_layout(emu, case, shape, k, norm,
                                                                   shared, edit):
     x, logits, gate_up, down, sgu, sdn = _block(*shape, shared, seed=len(case))
