@@ -53,6 +53,15 @@ def test_emulated_route_ranks_weighs_and_groups_as_the_reference(t, e, k, shared
         torch.testing.assert_close(scale, torch.sigmoid(logits[:, e].float()))
 
 
+def test_moe_route_meta_shapes_are_the_emulated_op_shapes():
+    ops = kernels_emu.load()
+    for t, e, k, shared in ((1, 8, 2, True), (40, 300, 16, False)):
+        logits = torch.zeros(t, e + shared, dtype=torch.bfloat16)
+        real = ops.moe_route(logits, e, k, True, shared, 72)
+        fake = ops.moe_route(logits.to("meta"), e, k, True, shared, 72)
+        assert [(r.shape, r.dtype) for r in real] == [(f.shape, f.dtype) for f in fake]
+
+
 @pytest.mark.parametrize("t", [1, 3, 8, 17])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_emulated_moe_block_matches_the_reference(emu, t, dtype):
