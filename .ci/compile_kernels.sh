@@ -25,6 +25,7 @@ cat > "$WORK/all_kernels.cu" <<'CU'
 #include "kernels/snapshot_copy.cuh"
 #include "kernels/fused.cuh"
 #include "kernels/gemv.cuh"
+#include "kernels/moe_experts.cuh"
 
 template <typename T>
 static void instantiate_for() {
@@ -68,6 +69,14 @@ void instantiate_all() {
   instantiate_for<float>();
   instantiate_attention_for<ds::bf16>();
   instantiate_attention_for<ds::f16>();
+  ds::moe::RouteParams mr{};
+  ds::moe::ExpertsParams me{};
+  (void)ds::moe::launch_route<ds::bf16>(mr, nullptr);
+  (void)ds::moe::launch_route<ds::f16>(mr, nullptr);
+  (void)ds::moe::launch_experts<ds::bf16, ds::moe::Stage::kGateUp>(me, nullptr);
+  (void)ds::moe::launch_experts<ds::bf16, ds::moe::Stage::kDown>(me, nullptr);
+  (void)ds::moe::launch_experts<ds::f16, ds::moe::Stage::kGateUp>(me, nullptr);
+  (void)ds::moe::launch_experts<ds::f16, ds::moe::Stage::kDown>(me, nullptr);
   ds::gemv::GemvParams gv{};
   (void)ds::gemv::launch_gemv<ds::bf16>(gv, nullptr);
   (void)ds::gemv::launch_gemv<ds::f16>(gv, nullptr);

@@ -1,10 +1,13 @@
-"""One MoE block (router, top-k, experts, shared expert, combine) on the GPU, Qwen3.6-35B-A3B
-shapes (256 experts top-8, hidden 2048, expert and shared width 512), bf16, inside a CUDA graph.
-
-For each token count T: the grouped form (torch._grouped_mm) and, for T ≤ 64, the gathered form
-(batched GEMVs over gathered weight slices), each beside the weight-read roofline of the block
-(router + shared expert + the distinct experts the T tokens selected, ÷ 4,274 GB/s). Prints a
-table and writes JSON.
+"""One MoE layer (router GEMM, routing, experts, shared expert, combine: `SparseMoE.forward`) on
+the GPU at Qwen3.6-35B-A3B shapes (256 experts top-8, hidden 2048, expert and shared width 512),
+bf16, inside a CUDA graph, on its two paths:
+- fused: the extension's kernels (ops/moe_fused.py: moe_route + moe_experts), T <= 256;
+- grouped: route + shared MLP + torch._grouped_mm (ops/moe.py), forced by FUSED_MAX_TOKENS = 0;
+each beside the weight-read ideal of the call (router + shared expert + the distinct experts
+its tokens selected, ÷ 4,274 GB/s copy bandwidth). The weights stream from HBM as in a model
+step: the graph runs --calls layers in a row, cycling over --copies independent layers (6.4 GB
+of experts for 4), each call with its own tokens, so no call finds its experts in L2. Also the
+kernels one eager call launches (torch.profiler). Prints a table and writes JSON; ~30 s.
 
     python benchmarks/bench_moe.py --out moe.json
 """
@@ -16,26 +19,48 @@ import json
 import statistics
 
 import torch
+from transformers import Qwen3_5MoeTextConfig
 
-from deltaserve.ops import moe
-from deltaserve.ops.fused import silu_mul
+from deltaserve.model.config import ModelConfig
+from deltaserve.model.mlp import SparseMoE
+from deltaserve.ops import moe_fused
 
 E, K, H, I = 256, 8, 2048, 512
 COPY_GBS = 4274.0
+EXPERT_BYTES = 3 * H * I * 2
+FIXED_BYTES = ((E + 1) * H + 3 * H * I) * 2  # router | shared gate, shared expert
 
 
-def graph_time_us(fn, reps: int = 50) -> float:
-    """Median µs of one replay of a CUDA graph that runs fn() 10 times (after warm-up)."""
+def make_layers(copies: int) -> list[SparseMoE]:
+    # transformers' Qwen3_5MoeTextConfig defaults: Qwen3.5/3.6-35B-A3B's shapes
+    config = ModelConfig.from_dict(Qwen3_5MoeTextConfig(num_hidden_layers=1).to_dict())
+    layers, default = [], torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"), torch.no_grad():
+            for _ in range(copies):
+                layer = SparseMoE(config).requires_grad_(False)
+                for p in layer.parameters():
+                    p.normal_(0.0, p.shape[-1] ** -0.5)
+                layers.append(layer)
+    finally:
+        torch.set_default_dtype(default)
+    return layers
+
+
+def graph_time_us(calls, reps: int) -> float:
+    """Median µs per call of a CUDA graph that runs every fn in `calls` once (after warm-up)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
+        for fn in calls:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(10):
+        for fn in calls:
             fn()
+    graph.replay()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -43,42 +68,56 @@ def graph_time_us(fn, reps: int = 50) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / 10)
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
     return statistics.median(times)
+
+
+def kernels_per_call(fn) -> int:
+    """CUDA kernels (and memsets/copies) one eager call launches."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def distinct_experts(layer: SparseMoE, x: torch.Tensor) -> int:
+    _, idx = moe_fused.route_fused_reference(layer.router(x), E, K, True)
+    return int(torch.unique(idx).numel())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 256, 4096])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 1024])
+    ap.add_argument("--copies", type=int, default=4, help="independent layers cycled through")
+    ap.add_argument("--calls", type=int, default=8, help="layer calls in one graph replay")
+    ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="moe.json")
     args = ap.parse_args()
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    assert moe.grouped_is_graph_safe(dev, dt), "no sync-free torch._grouped_mm on this GPU"
-    gen = torch.Generator(device=dev).manual_seed(0)
-    gate_up = torch.randn(E, 2 * I, H, device=dev, generator=gen).to(dt) * H ** -0.5
-    down = torch.randn(E, H, I, device=dev, generator=gen).to(dt) * I ** -0.5
-    router = torch.randn(E, H, device=dev, generator=gen).to(dt) * H ** -0.5
-    shared_gu = torch.randn(2 * I, H, device=dev, generator=gen).to(dt) * H ** -0.5
-    shared_down = torch.randn(H, I, device=dev, generator=gen).to(dt) * I ** -0.5
-    shared_gate = torch.randn(1, H, device=dev, generator=gen).to(dt) * H ** -0.5
-    expert_bytes = 3 * H * I * 2
+    layers = make_layers(args.copies)
+    fused_max = moe_fused.FUSED_MAX_TOKENS
     rows = []
     for t in args.tokens:
-        x = torch.randn(t, H, device=dev, generator=gen).to(dt)
-
-        def block(experts, x=x):
-            w, idx = moe.route(x @ router.T, K, norm_topk_prob=True)
-            shared = silu_mul(x @ shared_gu.T) @ shared_down.T
-            return experts(x, gate_up, down, idx, w, shared, x @ shared_gate.T)
-
-        _, idx = moe.route(x @ router.T, K, norm_topk_prob=True)
-        chosen = int(torch.unique(idx).numel())
-        read = (E * H + 3 * H * I + H) * 2 + chosen * expert_bytes
-        row = {"tokens": t, "distinct_experts": chosen, "read_mb": read / 1e6,
-               "roofline_us": read / (COPY_GBS * 1e3),
-               "grouped_us": graph_time_us(lambda: block(moe.experts_grouped))}
-        if t <= 64:
-            row["gathered_us"] = graph_time_us(lambda: block(moe.experts_gathered))
+        gen = torch.Generator(device="cuda").manual_seed(t)
+        xs = [torch.randn(t, H, device="cuda", generator=gen).bfloat16()
+              for _ in range(args.calls)]
+        calls = [lambda i=i, xs=xs: layers[i % len(layers)](xs[i]) for i in range(args.calls)]
+        with torch.no_grad():
+            chosen = statistics.mean(distinct_experts(layers[i % len(layers)], xs[i])
+                                     for i in range(args.calls))
+            read = FIXED_BYTES + chosen * EXPERT_BYTES
+            row = {"tokens": t, "distinct_experts": chosen, "read_mb": read / 1e6,
+                   "ideal_us": read / (COPY_GBS * 1e3)}
+            paths = [("fused", fused_max)] if t <= fused_max else []
+            for name, limit in paths + [("grouped", 0)]:
+                moe_fused.FUSED_MAX_TOKENS = limit
+                try:
+                    row[f"{name}_us"] = graph_time_us(calls, args.reps)
+                    row[f"{name}_kernels"] = kernels_per_call(calls[0])
+                finally:
+                    moe_fused.FUSED_MAX_TOKENS = fused_max
+                row[f"{name}_x_ideal"] = row[f"{name}_us"] / row["ideal_us"]
         rows.append(row)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in row.items()), flush=True)

@@ -277,6 +277,51 @@ DS_DEVICE void mma_16816<f16>(float (&d)[4], const uint32_t (&a)[4], const uint3
 #endif
 }
 
+// ---- integer atomics, bit counts, fences ---------------------------------------------------
+// Integers only: a float atomic add would make a sum depend on the order blocks arrive in. The
+// emulation runs a block's threads one at a time between barriers and its blocks in turn, so
+// a plain read-modify-write is atomic there and a fence has nothing to order.
+DS_DEVICE int popc(uint32_t v) {
+#if DS_EMU
+  return __builtin_popcount(v);
+#else
+  return __popc(v);
+#endif
+}
+DS_DEVICE void atomic_or(uint32_t* p, uint32_t v) {  // shared or global memory
+#if DS_EMU
+  *p |= v;
+#else
+  atomicOr(reinterpret_cast<unsigned int*>(p), static_cast<unsigned int>(v));
+#endif
+}
+DS_DEVICE int atomic_add(int* p, int v) {  // returns the old value
+#if DS_EMU
+  const int old = *p;
+  *p = old + v;
+  return old;
+#else
+  return atomicAdd(p, v);
+#endif
+}
+// Orders this thread's global memory accesses before and after it, as seen from the device.
+DS_DEVICE void thread_fence() {
+#if !DS_EMU
+  __threadfence();
+#endif
+}
+// A load another block of the running grid may have written (after a fence and an atomic that
+// say it did): from L2, never a stale L1 line. Volatile on HIP (glc: past the L0/L1 caches).
+DS_DEVICE float load_coherent(const float* p) {
+#if DS_EMU
+  return *p;
+#elif DS_HIP
+  return *static_cast<const volatile float*>(p);
+#else
+  return __ldcg(p);
+#endif
+}
+
 // ---- programmatic dependent launch (sm_90+; no-ops elsewhere and on HIP) ---------------------
 // A kernel launched with `launch(..., Pdl::kOn, ...)` may start while the kernel before it in the
 // stream is still running, once each block of that kernel has called launch_dependents() (any

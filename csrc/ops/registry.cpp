@@ -1,11 +1,12 @@
 // The `deltaserve` op library: schemas, Meta (fake) implementations, and the Python module
 // entry point of deltaserve._C. CUDA implementations register from gdn.cu, conv1d.cu,
-// snapshot.cu, fused.cu, fused_gate.cu, attention.cu and linear.cu. Only this file may say
-// TORCH_LIBRARY(deltaserve): a second one aborts Python.
+// snapshot.cu, fused.cu, fused_gate.cu, attention.cu, linear.cu and moe.cu. Only this file may
+// say TORCH_LIBRARY(deltaserve): a second one aborts Python.
 #include <ATen/ops/empty.h>
 #include <Python.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 
@@ -81,6 +82,25 @@ at::Tensor gemv_meta(const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>&) {
   return at::empty({x.size(0), weight.size(0)}, x.options());
 }
+// moe_route's outputs as views of one int32 and one fp32 buffer (csrc/ops/moe.cu's layout).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           at::Tensor>
+moe_route_meta(const at::Tensor& logits, int64_t num_experts, int64_t top_k, bool,
+               bool shared, int64_t hidden) {
+  const int64_t t = logits.size(0), pairs = t * top_k, groups = (hidden + 31) / 32;
+  const int64_t tiles = (shared ? (t + 15) / 16 : 0) + std::min(num_experts, pairs) + pairs / 16;
+  const auto i32 = logits.options().dtype(at::kInt), f32 = logits.options().dtype(at::kFloat);
+  return {at::empty({t, top_k}, f32), at::empty({t, top_k}, i32), at::empty({t, top_k}, i32),
+          at::empty({pairs}, i32), at::empty({tiles, 4}, i32), at::empty({2}, i32),
+          at::empty({shared ? t : 0}, f32), at::empty({t * groups}, i32)};
+}
+at::Tensor moe_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&) {
+  return like(x);
+}
 
 }  // namespace
 
@@ -118,6 +138,12 @@ DS_TORCH_LIBRARY(DS_OPS_NAMESPACE, m) {
   m.def("sigmoid_gate_mul(Tensor o, Tensor q_gate) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("moe_route(Tensor logits, int num_experts, int top_k, bool norm_topk_prob, "
+        "bool shared, int hidden) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+        "Tensor)");
+  m.def("moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor? shared_gate_up, "
+        "Tensor? shared_down, Tensor weight, Tensor pair_row, Tensor row_token, Tensor tiles, "
+        "Tensor n_tiles, Tensor shared_scale, Tensor(a!) counters) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(DS_OPS_NAMESPACE, Meta, m) {
@@ -139,6 +165,8 @@ TORCH_LIBRARY_IMPL(DS_OPS_NAMESPACE, Meta, m) {
   m.impl("sigmoid_gate_mul", &sigmoid_gate_mul_meta);
   m.impl("silu_mul", &silu_mul_meta);
   m.impl("gemv", &gemv_meta);
+  m.impl("moe_route", &moe_route_meta);
+  m.impl("moe_experts", &moe_experts_meta);
 }
 
 }  // namespace ds_ops

@@ -1,7 +1,7 @@
 """The CUDA kernels and their torch bindings, built for the CPU emulation of the device runtime.
 
 `load()` compiles csrc/ops/{registry.cpp, gdn.cu, conv1d.cu, fused.cu, fused_gate.cu,
-attention.cu, linear.cu} with the host compiler and -DDS_EMU (csrc/emu/runtime.h: blocks in
+attention.cu, linear.cu, moe.cu} with the host compiler and -DDS_EMU (csrc/emu/runtime.h: blocks in
 turn, a block's threads as fibers switched at barriers and warp shuffles), once per checkout and
 source version (ninja, in build/emu/ of this checkout: torch's shared extension cache, keyed by
 name only, let two checkouts rebuild over each other), and registers the ops as
@@ -24,7 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [ROOT / "tests/csrc/emu" / f for f in ("registry_emu.cpp", "gdn_emu.cpp",
                                                   "conv1d_emu.cpp", "fused_emu.cpp",
-                                                  "attention_emu.cpp", "linear_emu.cpp")]
+                                                  "attention_emu.cpp", "linear_emu.cpp",
+                                                  "moe_emu.cpp")]
 FLAGS = [
     "-DDS_EMU=1",
     "-O1",  # -O0 fibers run ~3x slower; -O2 compiles ~2x longer for little more
@@ -69,7 +70,7 @@ class CountingOps:
 
 
 def emulate(monkeypatch) -> CountingOps:
-    """Route deltaserve.ops' gdn, conv1d, fused, attention and linear wrappers to the emulated
+    """Route deltaserve.ops' gdn, conv1d, fused, attention, linear and moe wrappers to the emulated
     kernels for CPU tensors; returns the namespace they now call."""
     from deltaserve.ops import _ext
 

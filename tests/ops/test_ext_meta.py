@@ -83,3 +83,15 @@ def test_gemv_reports_its_output_shape_and_dtype_on_meta_tensors():
     y = ops.gemv(meta(3, 64, dtype=torch.float16), meta(40, 64, dtype=torch.float16), None)
     assert y.shape == (3, 40) and y.dtype == torch.float16 and y.is_meta
     assert ops.gemv(meta(1, 64), meta(40, 64), meta(40)).shape == (1, 40)
+
+
+def test_moe_ops_report_output_shapes_and_dtypes_on_meta_tensors():
+    ops, f32, i32 = torch.ops.deltaserve, torch.float32, torch.int32
+    t, e, k, h = 5, 16, 4, 64
+    route = ops.moe_route(meta(t, e + 1), e, k, True, True, h)
+    assert [tuple(r.shape) for r in route] == [(t, k), (t, k), (t, k), (t * k,),
+                                               (1 + e + 1, 4), (2,), (t,), (t * 2,)]
+    assert route[0].dtype == f32 and route[4].dtype == i32 and route[0].is_meta
+    y = ops.moe_experts(meta(t, h), meta(e, 64, h), meta(e, h, 32), meta(48, h), meta(h, 24),
+                        *(route[i] for i in (0, 2, 3, 4, 5, 6, 7)))
+    assert y.shape == (t, h) and y.dtype == torch.bfloat16 and y.is_meta

@@ -15,6 +15,7 @@ from torch import nn
 from deltaserve.model.merged import Linear, MergedLinear
 from deltaserve.ops import fused
 from deltaserve.ops.moe import experts_graph_safe, moe_experts, route
+from deltaserve.ops.moe_fused import fused_fits, fused_supported, moe_fused
 
 if TYPE_CHECKING:
     from deltaserve.model.config import ModelConfig
@@ -67,6 +68,13 @@ class SparseMoE(nn.Module):
     """Router softmax over E experts (fp32), top-k, optional renormalisation of the k weights,
     weighted sum of the chosen experts, plus sigmoid(shared_expert_gate(x)) · shared_expert(x)
     when the config has a shared expert. x [T, hidden] -> [T, hidden].
+
+    The router and the shared expert's gate are one `MergedLinear` (`router`, rows [gate (E) |
+    shared_expert_gate (1)]): one GEMM gives both. Where `ops.moe_fused.fused_fits` holds
+    (CUDA, bf16 / fp16, up to FUSED_MAX_TOKENS tokens: decode and verify steps) the rest is
+    `moe_fused`: routing, expert GEMMs, the shared expert and the combine in three kernels.
+    Elsewhere: `route`, the shared expert's MLP, and `Experts` (grouped GEMMs on the GPU, the
+    transformers-exact reference loop on CPU).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -74,26 +82,45 @@ class SparseMoE(nn.Module):
         hidden = config.hidden_size
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.gate = Linear(hidden, config.num_experts, bias=False)
+        shared = config.shared_expert_intermediate_size > 0
+        self.router = MergedLinear(hidden, [("gate", config.num_experts)]
+                                   + ([("shared_expert_gate", 1)] if shared else []))
         self.experts = Experts(config.num_experts, hidden, config.moe_intermediate_size)
         self.shared_expert: MLP | None = None
-        self.shared_expert_gate: Linear | None = None
-        if config.shared_expert_intermediate_size > 0:
+        if shared:
             self.shared_expert = MLP(hidden, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = Linear(hidden, 1, bias=False)
+
+    def _shared_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.shared_expert is None:
+            return None, None
+        return self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        top_weight, top_idx = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        logits = self.router(x)  # [T, E (+1: the shared expert's gate)]
+        ex = self.experts
+        shared_gate_up, shared_down = self._shared_weights()
+        if fused_fits(x, logits, ex.gate_up_proj, ex.down_proj, self.top_k, shared_gate_up,
+                      shared_down):
+            return moe_fused(x, logits, ex.gate_up_proj, ex.down_proj, self.top_k,
+                             self.norm_topk_prob, shared_gate_up, shared_down)
+        e = ex.num_experts
+        top_weight, top_idx = route(logits[:, :e], self.top_k, self.norm_topk_prob)
         shared = shared_gate = None
         if self.shared_expert is not None:
-            shared, shared_gate = self.shared_expert(x), self.shared_expert_gate(x)
-        return self.experts(x, top_idx, top_weight, shared, shared_gate)
+            shared, shared_gate = self.shared_expert(x), logits[:, e:]
+        return ex(x, top_idx, top_weight, shared, shared_gate)
 
 
 def moe_graph_safe(model: nn.Module, rows: int) -> bool:
     """True when no SparseMoE block of `model` (MTP layers included; a dense model has none)
-    syncs with the host on batches of up to `rows` tokens (`ops.moe.experts_graph_safe`): the
+    syncs with the host on batches of up to `rows` tokens: `ops.moe_fused.fused_supported`
+    (the extension's kernels) or `ops.moe.experts_graph_safe` (grouped / gathered GEMMs). The
     engine captures CUDA graphs for MoE models only then."""
-    return all(experts_graph_safe(m.experts.gate_up_proj.device, m.experts.gate_up_proj.dtype,
-                                  rows, m.top_k, m.experts.gate_up_proj)
-               for m in model.modules() if isinstance(m, SparseMoE))
+    def safe(m: SparseMoE) -> bool:
+        gate_up = m.experts.gate_up_proj
+        shared_gate_up, _ = m._shared_weights()
+        return (fused_supported(gate_up.device, gate_up.dtype, rows, m.top_k, gate_up,
+                                shared_gate_up)
+                or experts_graph_safe(gate_up.device, gate_up.dtype, rows, m.top_k, gate_up))
+
+    return all(safe(m) for m in model.modules() if isinstance(m, SparseMoE))

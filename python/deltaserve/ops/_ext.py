@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -27,6 +28,22 @@ def ops():
     only through here and `use_extension`, which tests/ops/kernels_emu.py swaps for the CPU
     emulation of the kernels (`torch.ops.deltaserve_emu`, on CPU tensors)."""
     return torch.ops.deltaserve
+
+
+def count_from_env(name: str, default: int, most: int, value: str | None = None) -> int:
+    """An integer 0..`most` from environment variable `name` (or `value` when given; unset or
+    empty: `default`); ValueError naming the variable otherwise. For kernel size limits that
+    A/B runs set before starting the process (0 turns the kernel off)."""
+    value = os.environ.get(name) if value is None else value
+    if value is None or value == "":
+        return default
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if not 0 <= count <= most:
+        raise ValueError(f"{name} must be an integer in 0..{most}, got {value!r}")
+    return count
 
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -34,16 +34,7 @@ DEFAULT_MAX_ROWS = 0 if torch.version.hip else 8
 
 def _max_rows_from_env(value: str | None, default: int = DEFAULT_MAX_ROWS) -> int:
     """DS_GEMV_MAX_ROWS: rows up to which the kernel runs, 0 (off) .. 8; unset: `default`."""
-    if value is None or value == "":
-        return default
-    try:
-        rows = int(value)
-    except ValueError:
-        rows = -1
-    if not 0 <= rows <= KERNEL_MAX_ROWS:
-        raise ValueError(f"DS_GEMV_MAX_ROWS must be an integer in 0..{KERNEL_MAX_ROWS}, "
-                         f"got {value!r}")
-    return rows
+    return _ext.count_from_env("DS_GEMV_MAX_ROWS", default, KERNEL_MAX_ROWS, value or "")
 
 
 # Read once at import (A/B runs set it before starting the process); 0 disables the kernel.

@@ -1,6 +1,8 @@
-"""The sparse MoE block's ops: routing, expert compute and the weighted combine.
+"""The sparse MoE block's ops: routing, expert compute and the weighted combine, in torch.
 
-Three forms of the expert compute, the same math:
+Decode-sized batches in bf16 / fp16 on the GPU (up to 256 tokens) do not come here: they take
+the extension's kernels (ops/moe_fused.py, docs/kernels.md "MoE decode"). This module serves
+long prefills, fp32 and the CPU. Three forms of the expert compute, the same math:
 - `experts_reference`: a Python loop over the experts this batch hits (transformers'
   `Qwen3_5MoeExperts.forward`, same rounding points). It syncs with the host (the hit list and
   one `where` per expert) and has data-dependent shapes: the CPU path and the oracle.
@@ -14,7 +16,7 @@ Three forms of the expert compute, the same math:
   times its sigmoid gate, in one batched GEMM (fp32 accumulation, one rounding).
 - `experts_gathered`: static shapes, no host sync, for few rows on any device: the selected
   experts' weight slices are gathered per (token, slot) pair and applied as batched GEMVs.
-  The graph-safe decode path where the grouped GEMM would sync.
+  The graph-safe decode path where neither the kernels nor the grouped GEMM run (fp32).
 
 `torch._grouped_mm` runs without a host sync only on its CUTLASS path: CUDA (not ROCm), bf16,
 compute capability 9.x or 10.x (`_grouped_mm_cuda` in aten/src/ATen/native/cuda/GroupedBlas.cpp,
@@ -68,6 +70,16 @@ def route_topk_first(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, to
     return torch.softmax(top_logit, dim=-1, dtype=torch.float).to(logits.dtype), top_idx
 
 
+def check_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    """x [T, H], gate_up [E, 2I, H] and down [E, H, I] must fit together (ValueError)."""
+    e, two_i, h = gate_up.shape
+    if x.dim() != 2 or x.shape[1] != h:
+        raise ValueError(f"x must be [T, {h}], got {list(x.shape)}")
+    if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
+        raise ValueError(f"down must be [{e}, {h}, {two_i // 2}] for gate_up "
+                         f"{list(gate_up.shape)}, got {list(down.shape)}")
+
+
 def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_idx: torch.Tensor,
            top_weight: torch.Tensor, shared: torch.Tensor | None = None,
            shared_gate: torch.Tensor | None = None) -> None:
@@ -76,12 +88,7 @@ def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_idx: 
     if shared is not None and (shared.shape != x.shape or shared_gate.shape != (x.shape[0], 1)):
         raise ValueError(f"shared must be {list(x.shape)} and shared_gate [{x.shape[0]}, 1], "
                          f"got {list(shared.shape)} and {list(shared_gate.shape)}")
-    e, two_i, h = gate_up.shape
-    if x.dim() != 2 or x.shape[1] != h:
-        raise ValueError(f"x must be [T, {h}], got {list(x.shape)}")
-    if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
-        raise ValueError(f"down must be [{e}, {h}, {two_i // 2}] for gate_up "
-                         f"{list(gate_up.shape)}, got {list(down.shape)}")
+    check_experts(x, gate_up, down)
     if top_idx.dim() != 2 or top_idx.shape[0] != x.shape[0] or top_idx.dtype != torch.int64:
         raise ValueError(f"top_idx must be [T={x.shape[0]}, k] int64, got "
                          f"{list(top_idx.shape)} {top_idx.dtype}")

@@ -1,0 +1,2 @@
+// The MoE bindings built with the CPU emulation of the device runtime (-DDS_EMU).
+#include "ops/moe.cu"
