@@ -24,10 +24,16 @@ run() {  # name timeout cmd...
   echo "== $name rc=$rc $((SECONDS - t))s"; tail -${TAILN:-6} "$OUT/$name.log"
 }
 has gemvtest && run gemvtest 70 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/ops/test_linear_gpu.py
+# shellcheck disable=SC2086  # GPU_TESTS is a list of test paths
+has gputests && TAILN=25 run gputests ${TESTS_T:-200} python3 -m pytest -m gpu -q -p no:cacheprovider -x --timeout=120 ${GPU_TESTS:-tests/engine/test_gpu_overlap.py}
 has linear && run linear 60 python3 benchmarks/bench_linear.py --out "$OUT/linear.json"
-has profile && TAILN=12 DS_GEMV_MAX_ROWS=8 run profile 170 python3 benchmarks/profile_step.py --vocab 248320 --out "$OUT/profile.txt"
-has stepoff && DS_GEMV_MAX_ROWS=0 run stepoff 60 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --out "$OUT/stepoff.json"
-has stepon && DS_GEMV_MAX_ROWS=8 run stepon 60 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --out "$OUT/stepon.json"
+has profile && TAILN=12 run profile 170 python3 benchmarks/profile_step.py --vocab 248320 --out "$OUT/profile.txt"
+has stepoff && DS_GEMV_MAX_ROWS=0 run stepoff 90 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --disable-overlap-schedule --out "$OUT/stepoff.json"
+has e2e08 && TAILN=30 run e2e08 ${E2E_T:-240} python3 benchmarks/bench_e2e.py --vocab 248320 --profile --out "$OUT/e2e08.json"
+has e2edef && TAILN=20 run e2edef 150 python3 benchmarks/bench_e2e.py --model default --out "$OUT/e2edef.json"
+has moebench && TAILN=20 run moebench 90 python3 benchmarks/bench_moe.py --out "$OUT/moe.json"
+has moe35 && TAILN=25 run moe35 ${MOE_T:-300} python3 benchmarks/bench_e2e.py --config qwen3.6-35b-a3b --out "$OUT/moe35.json"
+has long && TAILN=10 run long 150 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --out "$OUT/long.json"
 has mtptest && run mtptest 90 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/spec/test_gpu_mtp_graph.py
-has spec && TAILN=14 run spec ${SPEC_T:-150} python3 benchmarks/bench_spec.py --workload heldout --corpus build/spec_corpus --batches 1,32 --ks 3 --max-tokens 64 --mtp-graphs on --out "$OUT/spec.json"
+has spec && TAILN=14 run spec ${SPEC_T:-150} python3 benchmarks/bench_spec.py --workload heldout --corpus build/spec_corpus --batches ${SPEC_B:-1,32} --ks 3 --max-tokens 64 --policies ${SPEC_P:-fixed,adaptive} --out "$OUT/spec.json"
 echo "total ${SECONDS}s"
