@@ -91,7 +91,8 @@ class ModelRunner:
         tables, starts = [r.page_table for r in batch.reqs], [r.device_len for r in batch.reqs]
         if batch.phase is Phase.PREFILL:
             attn_meta = AttentionMetadata.build(tables, starts, batch.extend_lens,
-                                                self.kv.page_size, dev)
+                                                self.kv.page_size, dev,
+                                                lambda a: to_device(a, torch.int64, dev))
         else:  # decode / verify: every request has rows_per_req rows; attended in place
             attn_meta = PagedMetadata.build(tables, starts, batch.rows_per_req,
                                             self.kv.page_size, dev)
