@@ -145,16 +145,15 @@ class PoolGDNBackend:
                  b: torch.Tensor) -> torch.Tensor:
         pre, gid = self.meta.prefill, layer.gdn_id
         conv_state, state = self.pool.conv[gid], self.pool.recurrent[gid]
-        y = conv1d.causal_conv1d_prefill(mixed_qkv, layer.conv_weight,
-                                         getattr(layer, "conv_bias", None), conv_state,
-                                         pre.cu_seqlens, pre.slots, pre.track_offsets,
-                                         pre.track_slots)
-        h, hv = layer.num_k_heads, layer.num_v_heads
-        dk, dv = layer.head_k_dim, layer.head_v_dim
-        q, k, v = torch.split(y, [h * dk, h * dk, hv * dv], dim=-1)
-        o, final = gdn_chunk_prefill(q.reshape(-1, h, dk), k.reshape(-1, h, dk),
-                                     v.reshape(-1, hv, dv), a, b, layer.A_log, layer.dt_bias,
-                                     state.index_select(0, pre.src), pre.index, dk ** -0.5)
+        dk = layer.head_k_dim
+        q, k, v = conv1d.conv_qkv_prefill(
+            mixed_qkv, layer.conv_weight, getattr(layer, "conv_bias", None), conv_state,
+            pre.cu_seqlens, pre.slots, pre.track_offsets, pre.track_slots,
+            num_k_heads=layer.num_k_heads, head_k_dim=dk)
+        o, final = gdn_chunk_prefill(q, k, v.view(-1, layer.num_v_heads, layer.head_v_dim), a,
+                                     b, layer.A_log, layer.dt_bias,
+                                     state.index_select(0, pre.src), pre.index, dk ** -0.5,
+                                     qk_normalized=True)
         state.index_copy_(0, pre.dest, final)
         return o
 
