@@ -30,4 +30,8 @@ has stepoff && DS_GEMV_MAX_ROWS=0 run stepoff 60 python3 benchmarks/bench_e2e.py
 has stepon && DS_GEMV_MAX_ROWS=8 run stepon 60 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --out "$OUT/stepon.json"
 has mtptest && run mtptest 90 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/spec/test_gpu_mtp_graph.py
 has spec && TAILN=14 run spec ${SPEC_T:-150} python3 benchmarks/bench_spec.py --workload heldout --corpus build/spec_corpus --batches 1,32 --ks 3 --max-tokens 64 --mtp-graphs on --out "$OUT/spec.json"
+# issue 27, prefill: GPU tests of the prefill path (~2-4 min on a machine that has not compiled
+# fla-core's kernels yet), then TTFT-256 / 8k prefill beside kernels per forward
+has prefilltest && TAILN=12 run prefilltest ${PREFILLTEST_T:-400} python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/ops/test_gdn_prefill_gpu.py tests/ops/test_conv_qkv_gpu.py tests/engine/test_gpu_prefill_attention.py tests/engine/test_gpu_prefill.py
+has prefill && TAILN=10 run prefill ${PREFILL_T:-240} python3 benchmarks/bench_prefill.py --compare --out "$OUT/prefill.json"
 echo "total ${SECONDS}s"

@@ -88,3 +88,19 @@ def test_build_uploads_once_and_picks_the_path_by_device_and_request_count():
                                    per_request=True)
     assert len(calls) == 2 and meta.contexts[1] is None
     assert meta.contexts[0].tolist() == list(range(16, 31))
+
+
+def test_cuda_attends_one_request_at_a_time_when_few_or_when_padding_would_blow_up():
+    from deltaserve.engine.prefill_attention import PADDED_MAX, PER_REQUEST_MAX
+
+    def path(lens, starts=None):
+        starts = starts or [0] * len(lens)
+        tables = [list(range(1, 2 + (s + n) // 16)) for s, n in zip(starts, lens)]
+        return AttentionMetadata.build(tables, starts, lens, 16, torch.device("cuda"),
+                                       upload=torch.from_numpy).per_request
+
+    assert path([64] * PER_REQUEST_MAX)
+    assert not path([64] * (PER_REQUEST_MAX + 1))
+    n = PER_REQUEST_MAX + 1  # one 8k chunk among short ones: N x 8k x 8k would be padded
+    assert 8192 * 8192 * n > PADDED_MAX and path([8192] + [5] * (n - 1))
+    assert not path([64] * n, starts=[0] * n)

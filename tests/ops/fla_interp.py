@@ -87,6 +87,21 @@ def main() -> int:
         if any(chained) and torch.equal(o, plain[0]):  # a chain must change what follows it
             failures += 1
             print(f"chained={list(chained)}: same outputs as unchained", "MISMATCH")
+    # chained=[F, T, F]: sequence 1 (rows 70..100) continues sequence 0; alone, the same bits
+    o, final = outs[(False, True, False)]
+    beta = torch.sigmoid(b)
+
+    def alone(lo, hi, state):
+        return _fla_pipeline(qn[lo:hi], kn[lo:hi], v[lo:hi], beta[lo:hi], scale, state[None],
+                             PrefillIndex.build([0, hi - lo]), gate=(a[lo:hi], A_log, dt_bias))
+
+    o0, s0 = alone(0, 70, h0[0])
+    o1, s1 = alone(70, 100, s0[0])
+    o2, s2 = alone(100, 150, h0[2])
+    same = torch.equal(o, torch.cat([o0, o1, o2])) and torch.equal(final,
+                                                                   torch.cat([s0, s1, s2]))
+    failures += not same
+    print("chained vs separate calls, bitwise:", "ok" if same else "MISMATCH")
     o_api, final_api = chunk_gated_delta_rule(
         q[None], k[None], v[None], a[None], torch.sigmoid(b)[None], scale=scale,
         initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,

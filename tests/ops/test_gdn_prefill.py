@@ -137,4 +137,4 @@ def test_the_fla_core_pipeline_matches_the_reference_under_tritons_interpreter()
                          capture_output=True, text=True, timeout=600)
     lines = [x for x in run.stdout.splitlines() if "ok" in x or "MISMATCH" in x]
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert len(lines) == 4 and all(x.endswith("ok") for x in lines), run.stdout
+    assert len(lines) == 5 and all(x.endswith("ok") for x in lines), run.stdout

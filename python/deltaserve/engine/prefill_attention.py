@@ -3,7 +3,9 @@ over each request's cached positions plus themselves (a row at position p sees p
 
 Indices are built once per forward on the host with numpy and uploaded in one copy
 (`AttentionMetadata.build`); no layer builds a mask on the host. Two ways to attend:
-- **one request at a time** (CUDA, up to PER_REQUEST_MAX requests): a request with no cached
+- **one request at a time** (CUDA, up to PER_REQUEST_MAX requests, or more when the padded
+  block would hold over PADDED_MAX row-position pairs: one long chunk among short ones, whose
+  padded mask and gathers would be N times its size): a request with no cached
   positions attends over its new rows directly (`is_causal`), one that has some gathers its
   positions from the pages and attends with a bottom-right aligned causal mask
   (`causal_lower_right`); both reach SDPA's fused kernels (flash attention) without a
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 PER_REQUEST_MAX = 4
+PADDED_MAX = 1 << 24  # N * max rows * max positions of the padded path (its mask's elements)
 
 
 @dataclass
@@ -58,10 +61,13 @@ class AttentionMetadata:
               per_request: bool | None = None) -> AttentionMetadata:
         """page_tables[i] covers positions [0, starts[i] + lens[i]) of request i (lens >= 1).
         upload(int64 array) -> device tensor: one copy (default: `.to(device)`).
-        per_request: the path (None: per request on CUDA up to PER_REQUEST_MAX requests)."""
+        per_request: the path (None: on CUDA per request up to PER_REQUEST_MAX requests or
+        past PADDED_MAX; padded otherwise and on the CPU)."""
         n, device = len(starts), torch.device(device)
+        max_rows, max_kv = max(lens), max(s + r for s, r in zip(starts, lens))
         if per_request is None:
-            per_request = device.type == "cuda" and n <= PER_REQUEST_MAX
+            per_request = device.type == "cuda" and (
+                n <= PER_REQUEST_MAX or n * max_rows * max_kv > PADDED_MAX)
         flats, spans, row = [], [], 0
         for table, start, rows in zip(page_tables, starts, lens):
             kv_len = start + rows
@@ -74,7 +80,6 @@ class AttentionMetadata:
         if per_request:
             parts += [f for f, (_, _, s) in zip(flats, spans) if s > 0]
         else:
-            max_rows, max_kv = max(lens), max(s + r for s, r in zip(starts, lens))
             gather = np.zeros((n, max_kv), dtype=np.int64)
             row_index = np.full((n, max_rows), row, dtype=np.int64)
             for i, (f, (r0, rows, _)) in enumerate(zip(flats, spans)):
