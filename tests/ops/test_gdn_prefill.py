@@ -138,3 +138,55 @@ def test_the_fla_core_pipeline_matches_the_reference_under_tritons_interpreter()
     lines = [x for x in run.stdout.splitlines() if "ok" in x or "MISMATCH" in x]
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert len(lines) == 5 and all(x.endswith("ok") for x in lines), run.stdout
+
+
+def test_the_fla_path_reads_nothing_back_from_the_device(monkeypatch):
+    """fla-core's stages mocked (shapes only), every way of reading a tensor on the host
+    refused: with a PrefillIndex the pipeline derives nothing from tensor values, chained
+    batches included (on CUDA each such read would wait for the device)."""
+    pytest.importorskip("fla")
+    import fla.ops.common.chunk_delta_h as delta_h
+    import fla.ops.common.chunk_o as chunk_o
+    import fla.ops.gated_delta_rule.chunk_fwd as chunk_fwd
+    import fla.ops.gated_delta_rule.gate as gate
+
+    from deltaserve.ops.chunk_prefill import _fla_pipeline
+
+    calls = []
+
+    def fwd_h(k, w, u, g, initial_state, output_final_state, chunk_size, state_v_first,
+              cu_seqlens, chunk_indices, chunk_offsets):
+        calls.append(("h", cu_seqlens, chunk_offsets, initial_state.shape[0]))
+        n, hv, vd, kd = cu_seqlens.shape[0] - 1, u.shape[2], u.shape[3], k.shape[3]
+        return (k.new_zeros(1, chunk_indices.shape[0], hv, vd, kd), torch.zeros_like(u),
+                torch.zeros(n, hv, vd, kd))
+
+    monkeypatch.setattr(gate, "gdn_gate_chunk_cumsum",
+                        lambda g, **kw: calls.append("gate") or torch.zeros(g.shape))
+    monkeypatch.setattr(chunk_fwd, "chunk_gated_delta_rule_fwd_intra",
+                        lambda k, v, g, beta, **kw: (torch.zeros(*v.shape[:3], k.shape[-1]),
+                                                     torch.zeros_like(v), None))
+    monkeypatch.setattr(delta_h, "chunk_gated_delta_rule_fwd_h", fwd_h)
+    monkeypatch.setattr(chunk_o, "chunk_fwd_o", lambda q, k, v, **kw: torch.zeros_like(v))
+    q, k, v, a, b, A_log, dt_bias = packed(300, seed=9)
+    for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__index__",
+                 "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, _refuse(name))
+    for chained in ([False, False, False], [False, True, False], [False, False, True]):
+        index = PrefillIndex.build([0, 100, 250, 300], chained)
+        calls.clear()
+        o, final = _fla_pipeline(q, k, v, torch.zeros(300, HV), KD ** -0.5,
+                                 torch.zeros(3, HV, VD, KD), index, gate=(a, A_log, dt_bias))
+        assert o.shape == v.shape and final.shape == (3, HV, VD, KD)
+        waves = [c for c in calls if c[0] == "h"]
+        assert len(waves) == (2 if any(chained) else 1) and calls[0] == "gate"
+        if any(chained):  # wave 1 up to the chained one, wave 2 from it on
+            j = chained.index(True)
+            assert waves[0][3] == j and waves[1][3] == 3 - j
+            assert waves[0][1] is index.waves.cu1 and waves[1][2] is index.waves.off2
+
+
+def _refuse(name):
+    def method(*args, **kwargs):
+        raise AssertionError(f"Tensor.{name} read a tensor back on the host")
+    return method

@@ -154,7 +154,7 @@ def gdn_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
 
         if not qk_normalized:
             q, k = l2norm_fwd(q.contiguous())[0], l2norm_fwd(k.contiguous())[0]
-        beta = torch.sigmoid(b.float())
+        beta = torch.sigmoid(b.float()).contiguous()
         return _fla_pipeline(q.contiguous(), k.contiguous(), v.contiguous(), beta, scale,
                              initial_state.contiguous(), index, gate=(a, A_log, dt_bias))
     return gdn_chunk_prefill_ref(q, k, v, a, b, A_log, dt_bias, initial_state, index, scale,
@@ -247,7 +247,10 @@ def _fla_pipeline(q, k, v, beta, scale, initial_state, index: PrefillIndex, *, g
         h, v_new, final = recurrence(cu, index.chunk_offsets, initial_state)
     else:
         h, v_new, final1 = recurrence(wv.cu1, wv.off1, initial_state[:wv.last])
-        h0 = torch.cat([initial_state[wv.first:], final1]).index_select(0, wv.select)
+        if wv.first == index.num_seqs - 1:  # one chained sequence, the last (one request)
+            h0 = final1[wv.first - 1:]
+        else:
+            h0 = torch.cat([initial_state[wv.first:], final1]).index_select(0, wv.select)
         h2, v_new2, final2 = recurrence(wv.cu2, wv.off2, h0)
         h[:, wv.first_chunk:] = h2[:, wv.first_chunk:]
         v_new[:, wv.first_row:] = v_new2[:, wv.first_row:]
