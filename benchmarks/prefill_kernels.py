@@ -70,7 +70,7 @@ def prefill_forwards(llm, ids: list[int]) -> dict:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             if not e.name.startswith(NOT_KERNELS):
                 kernels[e.name] += 1
-                device_us += e.device_time
+                device_us += e.time_range.elapsed_us()
         elif e.name in LAUNCH_CALLS:
             launches += 1
     triton = sum(n for name, n in kernels.items() if _is_triton(name))
