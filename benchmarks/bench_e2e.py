@@ -16,6 +16,9 @@ Every run also prints kernels per decode step and per layer, and the host gap pe
 beside its target (step_kernels.py), then the host gap and decode tok/s with overlap scheduling
 on and off at batch 1 and 32 beside the graph-bound tok/s (batch / graph device time per step);
 --step-only prints only those (no prefill or decode runs).
+Beside the TTFT of a 256-token prompt and the long prefill: the forwards each took, kernels per
+prefill forward and the device's share of the wall time (prefill_kernels.py; bench_prefill.py
+measures only those).
 The defaults are the 0.8B config's shapes (issue 27) except the vocabulary: pass --vocab 248320.
 """
 
@@ -31,7 +34,8 @@ from pathlib import Path
 
 import e2e_configs
 import torch
-from step_kernels import host_gap, kernels_per_step, overlap_table  # a sibling script
+from prefill_kernels import prefill_forwards  # a sibling script
+from step_kernels import host_gap, kernels_per_step, overlap_table
 
 from deltaserve import LLM, SamplingParams
 
@@ -176,6 +180,7 @@ def main() -> None:
             res[f"decode_b{batch}_tok_s"] = batch * (n - 1) / max(t_all - t_pre, 1e-9)
         res["ttft_256_s"] = min(ttft(llm, prompt(256, args.vocab, 4 + i), one)
                                 for i in range(3))
+        res.update(prefill_launch_figures(llm, args.vocab, args.prefill_tokens))
         if args.profile:
             res["profile"] = profile_decode(llm, args.vocab)
             print(res["profile"])
@@ -187,6 +192,18 @@ def main() -> None:
         if args.anchor:
             res.update(anchor(path, args))
             report(res, args)
+
+
+def prefill_launch_figures(llm: LLM, vocab: int, long: int) -> dict:
+    """Forwards, kernels per forward and the device's share of the wall time of a cold
+    256-token prompt and of the `long` prefill (prefill_kernels.py)."""
+    out = {}
+    for name, n in (("256", 256), ("long", long)):
+        f = prefill_forwards(llm, prompt(n, vocab, 4))
+        for key in ("forwards", "kernels_per_forward", "triton_kernels_per_forward",
+                    "device_share"):
+            out[f"prefill_{name}_{key}"] = f[key]
+    return out
 
 
 def step_figures(llm: LLM, vocab: int, n_params: int) -> dict:
@@ -227,7 +244,10 @@ def report(res: dict, args) -> None:
               f"); decode {r['tok_s']:.0f} tok/s, graph-bound {r['device_tok_s']:.0f} tok/s",
               flush=True)
     for key in ("prefill_tok_s", "decode_b1_tok_s", "decode_b32_tok_s", "ttft_256_s",
-                "ttft_followup_s",
+                "prefill_256_forwards", "prefill_256_kernels_per_forward",
+                "prefill_256_triton_kernels_per_forward", "prefill_256_device_share",
+                "prefill_long_forwards", "prefill_long_kernels_per_forward",
+                "prefill_long_device_share", "ttft_followup_s",
                 "prefill_new_only_s", "ttft_cold_s", "followup_cached_tokens",
                 "anchor_decode_b1_tok_s", "anchor_decode_b32_tok_s", "anchor_prefill_s"):
         if key in res:

@@ -2,6 +2,9 @@
 // update, verify (window untouched) and commit. One thread owns VEC consecutive channels.
 // Window layout: conv_state [S, W-1, D], row 0 the oldest input. All math in fp32:
 //   y = silu(bias + sum_w weight[c, w] * z[w])  (fma chain, w ascending), z = window ++ x.
+// The GDN prefill form (ConvParams.plane1/plane2/norm_*) also stores its output as the three
+// blocks q | k | v, each [T, width] and contiguous, with q and k L2-normalised per head: what
+// the chunked delta rule reads, with no copy or norm kernel between (issue 27).
 #pragma once
 
 #include "compat.cuh"
@@ -67,6 +70,15 @@ struct ConvParams {
   int rows_per_thread;      // update / verify: rows one thread runs (1..R; the launch sets it)
   int trigger_late;         // update / verify: PDL dependents launch after the wait (launch sets)
   int N, R, T, D;
+  // prefill only. plane1 < plane2 (multiples of VEC): y holds channels [0, plane1), [plane1,
+  // plane2) and [plane2, D) as three [T, width] blocks, one after the other (0, 0: y is [T, D]).
+  int plane1, plane2;
+  // prefill only: channels [0, norm_channels) are L2-normalised in groups of norm_group
+  // (a power-of-two multiple of VEC, at most 32 VECs): y = u * rsqrt(sum(u^2) + norm_eps) in
+  // fp32 from u, the conv output rounded to T as it would be stored. 0: none.
+  int norm_channels, norm_group;
+  float norm_eps;
+  int tile;  // prefill: tokens per thread in the output kernel (the launch sets it)
 };
 
 template <typename T, int W>
@@ -254,18 +266,59 @@ DS_DEVICE void load_input(const ConvParams& p, int seq, int start, int pos, int 
   }
 }
 
+// Where channel c0 of token t goes in y: its block (ConvParams.plane1/plane2), row t.
+template <typename T>
+DS_DEVICE T* prefill_out(const ConvParams& p, int t, int c0) {
+  int64_t base = 0;
+  int width = p.D, c = c0;
+  if (p.plane2 > 0) {
+    if (c0 < p.plane1) {
+      width = p.plane1;
+    } else if (c0 < p.plane2) {
+      base = int64_t(p.T) * p.plane1;
+      width = p.plane2 - p.plane1;
+      c = c0 - p.plane1;
+    } else {
+      base = int64_t(p.T) * p.plane2;
+      width = p.D - p.plane2;
+      c = c0 - p.plane2;
+    }
+  }
+  return static_cast<T*>(p.y) + base + int64_t(t) * width + c;
+}
+
+// The L2 norm of the prefill form: every lane of the warp takes part in the reduction (the
+// lanes of one group hold one head's VEC-channel pieces, consecutive and aligned), lanes past
+// norm_channels keep their values. Needs the whole warp here together: the launch checks that a
+// warp never spans two tiles (D / VEC a multiple of 32), so every branch before is uniform.
+template <typename T, int kN>
+DS_DEVICE void l2_normalize(const ConvParams& p, int c0, float (&y)[kN]) {
+  float ss = 0.f;
+#pragma unroll
+  for (int c = 0; c < kN; ++c) {
+    y[c] = to_float(from_float<T>(y[c]));  // as stored in x's dtype, then normalised
+    ss = ffma(y[c], y[c], ss);
+  }
+  for (int off = p.norm_group / kN / 2; off > 0; off >>= 1) ss = fadd(ss, shfl_xor(ss, off));
+  if (c0 < p.norm_channels) {
+    const float r = frsqrt(fadd(ss, p.norm_eps));
+#pragma unroll
+    for (int c = 0; c < kN; ++c) y[c] = fmul(y[c], r);
+  }
+}
+
 // prefill, launch 1: outputs only (windows read, never written). Thread: VEC channels x a tile
-// of kPrefillTile packed tokens.
+// of p.tile packed tokens.
 template <typename T, int W>
 __global__ void __launch_bounds__(kThreads) prefill_out_kernel(const ConvParams p) {
   constexpr int kN = Vec<T>::kN;
   const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   const int per_row = p.D / kN;
-  const int tiles = static_cast<int>(ceil_div(p.T, kPrefillTile));
+  const int tiles = static_cast<int>(ceil_div(p.T, p.tile));
   if (idx >= int64_t(tiles) * per_row) return;
   const int c0 = static_cast<int>(idx % per_row) * kN;
-  const int t0 = static_cast<int>(idx / per_row) * kPrefillTile;
-  const int t1 = min(t0 + kPrefillTile, p.T);
+  const int t0 = static_cast<int>(idx / per_row) * p.tile;
+  const int t1 = min(t0 + p.tile, p.T);
   Channels<T, W> ch;
   ch.load(p, c0);
   int seq = find_sequence(p.cu_seqlens, p.N, t0);
@@ -285,7 +338,8 @@ __global__ void __launch_bounds__(kThreads) prefill_out_kernel(const ConvParams 
     float y[kN];
     xn.load(static_cast<const T*>(p.x) + int64_t(t) * p.x_row_stride + c0);
     ch.point(z, xn, y);
-    store_vec<T, kN>(static_cast<T*>(p.y) + int64_t(t) * p.D + c0, y);
+    if (p.norm_channels > 0) l2_normalize<T, kN>(p, c0, y);
+    store_vec<T, kN>(prefill_out<T>(p, t, c0), y);
     shift_in<T, W>(z, xn);
   }
 }
@@ -374,10 +428,30 @@ inline ds_error_t launch_conv_commit(const ConvParams& p, ds_stream_t stream) {
   return launch(commit_kernel<T, W>, blocks, kThreads, stream, Pdl::kOff, p);
 }
 
+// Prefill tiles: kPrefillTile tokens a thread, halved (down to kMinPrefillTile) while the grid
+// has fewer than two blocks per multiprocessor. A 256-token prompt at D = 6144 had 48 blocks of
+// 32-token threads on 132 SMs: 18 us a layer on the H200 profile (issue 27), latency-bound.
+constexpr int kMinPrefillTile = 4;
+template <typename T>
+inline int prefill_tile(const ConvParams& p) {
+  int sms = 0;
+  if (multiprocessor_count(&sms) != DS_SUCCESS) sms = 0;
+  const int64_t per_row = p.D / Vec<T>::kN, want = int64_t(2) * kThreads * sms;
+  int tile = kPrefillTile;
+  while (tile > kMinPrefillTile && ceil_div(p.T, tile) * per_row < want) tile /= 2;
+  return tile;
+}
+
 template <typename T, int W>
-inline ds_error_t launch_conv_prefill(const ConvParams& p, ds_stream_t stream) {
+inline ds_error_t launch_conv_prefill(ConvParams p, ds_stream_t stream) {
   const int per_row = p.D / Vec<T>::kN;
-  const int64_t out_blocks = ceil_div(ceil_div(p.T, kPrefillTile) * per_row, kThreads);
+  const int lanes = p.norm_group / Vec<T>::kN;  // lanes of one normalised group
+  if (p.norm_channels > 0 && (per_row % kWarp != 0 || p.norm_group % Vec<T>::kN != 0 ||
+                              lanes < 1 || lanes > kWarp || (lanes & (lanes - 1)) != 0 ||
+                              p.norm_channels % p.norm_group != 0))
+    return DS_ERROR_INVALID_VALUE;  // l2_normalize needs whole warps and groups inside one
+  p.tile = prefill_tile<T>(p);
+  const int64_t out_blocks = ceil_div(ceil_div(p.T, p.tile) * per_row, kThreads);
   ds_error_t err = launch(prefill_out_kernel<T, W>, out_blocks, kThreads, stream, Pdl::kOff, p);
   if (err != DS_SUCCESS) return err;
   const int64_t win_blocks = ceil_div(int64_t(p.N) * per_row, kThreads);

@@ -1,4 +1,5 @@
-// Torch bindings for causal_conv1d_{prefill,update,verify,commit} (CUDA dispatch key).
+// Torch bindings for causal_conv1d_{prefill,update,verify,commit} and gdn_conv_prefill (CUDA
+// dispatch key).
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -62,13 +63,11 @@ ds::conv::ConvParams conv_params(const at::Tensor& x, const at::Tensor& weight,
 
 at::Tensor dense_like(const at::Tensor& x) { return at::empty(x.sizes(), x.options()); }
 
-at::Tensor conv_prefill(const at::Tensor& x, const at::Tensor& weight,
-                        const std::optional<at::Tensor>& bias, const at::Tensor& conv_state,
-                        const at::Tensor& cu_seqlens, const at::Tensor& slots,
-                        const std::optional<at::Tensor>& track_offsets,
-                        const std::optional<at::Tensor>& track_slots) {
-  auto p = conv_params(x, weight, bias, conv_state, slots);
-  TORCH_CHECK(x.dim() == 2, "deltaserve: prefill x must be [T, D]");
+// The prefill launch shared by causal_conv1d_prefill (y [T, D]) and gdn_conv_prefill (y: the
+// q | k | v blocks, q and k normalised; planes/norm set in `p` by the caller, y sized by it).
+void run_prefill(ds::conv::ConvParams p, const at::Tensor& x, const at::Tensor& cu_seqlens,
+                 const at::Tensor& slots, const std::optional<at::Tensor>& track_offsets,
+                 const std::optional<at::Tensor>& track_slots, const at::Tensor& y) {
   check_cuda(cu_seqlens, "cu_seqlens");
   check_dtype(cu_seqlens, at::kInt, "cu_seqlens");
   check_dense(cu_seqlens, "cu_seqlens");
@@ -87,14 +86,51 @@ at::Tensor conv_prefill(const at::Tensor& x, const at::Tensor& weight,
   }
   p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
   p.N = slots.numel(); p.T = x.size(0); p.R = 1;
-  const DeviceGuard guard(x.device());
-  at::Tensor y = dense_like(x);
   p.y = y.data_ptr();
-  if (p.N == 0) return y;
+  if (p.N == 0) return;
+  const DeviceGuard guard(x.device());
   DS_DISPATCH_FLOAT(x.scalar_type(), "causal_conv1d_prefill", [&] {
     check_launch(ds::conv::launch_conv_prefill<scalar_t, kWidth>(p, stream_of(x)),
                  "causal_conv1d_prefill");
   });
+}
+
+at::Tensor conv_prefill(const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias, const at::Tensor& conv_state,
+                        const at::Tensor& cu_seqlens, const at::Tensor& slots,
+                        const std::optional<at::Tensor>& track_offsets,
+                        const std::optional<at::Tensor>& track_slots) {
+  const auto p = conv_params(x, weight, bias, conv_state, slots);
+  TORCH_CHECK(x.dim() == 2, "deltaserve: prefill x must be [T, D]");
+  at::Tensor y = dense_like(x);
+  run_prefill(p, x, cu_seqlens, slots, track_offsets, track_slots, y);
+  return y;
+}
+
+// y flat [T * D]: q [T, qk_dim], k [T, qk_dim], v [T, D - 2 qk_dim] one after the other; q and
+// k L2-normalised per head_dim channels (eps).
+at::Tensor gdn_conv_prefill(const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, const at::Tensor& conv_state,
+                            const at::Tensor& cu_seqlens, const at::Tensor& slots,
+                            const std::optional<at::Tensor>& track_offsets,
+                            const std::optional<at::Tensor>& track_slots, int64_t qk_dim,
+                            int64_t head_dim, double eps) {
+  auto p = conv_params(x, weight, bias, conv_state, slots);
+  TORCH_CHECK(x.dim() == 2, "deltaserve: prefill x must be [T, D]");
+  const int64_t vec = 16 / x.element_size(), lanes = head_dim / vec;
+  TORCH_CHECK(qk_dim > 0 && 2 * qk_dim < p.D && head_dim > 0 && qk_dim % head_dim == 0 &&
+                  head_dim % vec == 0 && lanes <= 32 && (lanes & (lanes - 1)) == 0 &&
+                  (p.D / vec) % 32 == 0,
+              "deltaserve: gdn_conv_prefill needs 0 < 2 qk_dim < D, qk_dim a multiple of "
+              "head_dim, head_dim a power-of-two multiple of the vector width of at most 32 "
+              "of them, and D / vector width a multiple of 32");
+  p.plane1 = static_cast<int>(qk_dim);
+  p.plane2 = static_cast<int>(2 * qk_dim);
+  p.norm_channels = static_cast<int>(2 * qk_dim);
+  p.norm_group = static_cast<int>(head_dim);
+  p.norm_eps = static_cast<float>(eps);
+  at::Tensor y = at::empty({x.size(0) * p.D}, x.options());
+  run_prefill(p, x, cu_seqlens, slots, track_offsets, track_slots, y);
   return y;
 }
 
@@ -168,6 +204,7 @@ void conv_commit(const at::Tensor& x, const at::Tensor& conv_state, const at::Te
 
 TORCH_LIBRARY_IMPL(DS_OPS_NAMESPACE, DS_OPS_KEY, m) {
   m.impl("causal_conv1d_prefill", &conv_prefill);
+  m.impl("gdn_conv_prefill", &gdn_conv_prefill);
   m.impl("causal_conv1d_update", &conv_update);
   m.impl("causal_conv1d_verify", &conv_verify);
   m.impl("causal_conv1d_commit", &conv_commit);

@@ -23,6 +23,13 @@ at::Tensor conv_prefill_meta(const at::Tensor& x, const at::Tensor&,
                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
   return like(x);
 }
+at::Tensor gdn_conv_prefill_meta(const at::Tensor& x, const at::Tensor&,
+                                 const std::optional<at::Tensor>&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&,
+                                 const std::optional<at::Tensor>&,
+                                 const std::optional<at::Tensor>&, int64_t, int64_t, double) {
+  return at::empty({x.size(0) * x.size(1)}, x.options());
+}
 at::Tensor conv_step_meta(const at::Tensor& x, const at::Tensor&, const std::optional<at::Tensor>&,
                           const at::Tensor&, const at::Tensor&) {
   return like(x);
@@ -107,6 +114,9 @@ at::Tensor moe_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Te
 DS_TORCH_LIBRARY(DS_OPS_NAMESPACE, m) {
   m.def("causal_conv1d_prefill(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, "
         "Tensor cu_seqlens, Tensor slots, Tensor? track_offsets, Tensor? track_slots) -> Tensor");
+  m.def("gdn_conv_prefill(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, "
+        "Tensor cu_seqlens, Tensor slots, Tensor? track_offsets, Tensor? track_slots, "
+        "int qk_dim, int head_dim, float eps) -> Tensor");
   m.def("causal_conv1d_update(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, "
         "Tensor slots) -> Tensor");
   m.def("causal_conv1d_verify(Tensor x, Tensor weight, Tensor? bias, Tensor conv_state, "
@@ -148,6 +158,7 @@ DS_TORCH_LIBRARY(DS_OPS_NAMESPACE, m) {
 
 TORCH_LIBRARY_IMPL(DS_OPS_NAMESPACE, Meta, m) {
   m.impl("causal_conv1d_prefill", &conv_prefill_meta);
+  m.impl("gdn_conv_prefill", &gdn_conv_prefill_meta);
   m.impl("causal_conv1d_update", &conv_step_meta);
   m.impl("causal_conv1d_verify", &conv_step_meta);
   m.impl("causal_conv1d_commit", &conv_commit_meta);

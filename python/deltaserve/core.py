@@ -285,6 +285,9 @@ class Batch:
     then `draft_ids[i]` (k tokens; only the first `num_drafts[i]` are real proposals, the rest
     pad the row count and are never accepted). A proposer that drafts on the device leaves
     `draft_tensor` (int64 [N, k]) and no `draft_ids` until `host_drafts` copies them.
+    A prefill batch's `tracks[i]`, when set, is (offset, slot): a track snapshot depth lies
+    `offset` rows into request i's chunk (0 < offset < extend_lens[i]); the forward writes the
+    GDN state at that depth to `slot` (scheduler/snapshots.py).
     """
 
     phase: Phase
@@ -294,9 +297,13 @@ class Batch:
     draft_ids: list[list[int]] | None = None
     num_drafts: list[int] | None = None
     draft_tensor: torch.Tensor | None = None
+    tracks: list[tuple[int, int] | None] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.reqs) == len(self.extend_lens) and self.reqs
+        if self.tracks is not None:
+            assert self.phase is Phase.PREFILL and len(self.tracks) == len(self.reqs)
+            assert all(t is None or 0 < t[0] < n for t, n in zip(self.tracks, self.extend_lens))
         if self.phase is Phase.VERIFY:
             assert self.rows_per_req > 1, "a verify batch must set rows_per_req"
         if self.phase is not Phase.PREFILL:

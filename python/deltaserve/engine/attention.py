@@ -4,11 +4,7 @@ Decode and verify steps (`PagedMetadata`) append their rows with `ops.kv_append`
 in place with `ops.paged_attention`: the CUDA kernel reads page tables and lengths from device
 tensors (one CUDA graph per batch size serves every context length); elsewhere the ops'
 pure-torch references run. Prefill chunks (`AttentionMetadata`) write their rows into their
-pages, gather every request's cached positions plus its new rows into a padded [N, L, Hkv, D]
-block once per layer and run `scaled_dot_product_attention` with a causal mask per request
-(position j is visible to a row at position p iff j <= p): a chunk of C rows over L positions
-does O(C * L * D) math on O(L * D) gathered bytes, so the one gather is a small part of its
-time, and SDPA's flash kernels do the math.
+pages and attend through SDPA's fused kernels (engine/prefill_attention.py).
 """
 
 from __future__ import annotations
@@ -17,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from deltaserve.engine.prefill_attention import AttentionMetadata, prefill_attention
 from deltaserve.engine.staging import copy_into, staged
 from deltaserve.ops.attention import kv_append, paged_attention
 
@@ -43,48 +39,6 @@ class PagedKVCache:
                        dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * page_size * num_kv_heads * head_dim * elem
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-forward indices, built once and shared by every attention layer.
-
-    write_index [T]: flat KV index (page * page_size + offset) of each new row.
-    gather_index [N, L]: flat KV index of each request's positions 0..L-1 (padding -> 0).
-    row_index [N, Rmax]: flat row (into the batch's T rows) of each request's new rows
-        (padding -> T, a dummy row).
-    mask [N, 1, Rmax, L] bool: True where a row may attend a position.
-    """
-
-    write_index: torch.Tensor
-    gather_index: torch.Tensor
-    row_index: torch.Tensor
-    mask: torch.Tensor
-
-    @classmethod
-    def build(cls, page_tables: list[list[int]], starts: list[int], lens: list[int],
-              page_size: int, device: torch.device) -> AttentionMetadata:
-        """page_tables[i] covers positions [0, starts[i] + lens[i]) of request i."""
-        n = len(starts)
-        total_rows = sum(lens)
-        max_rows, max_kv = max(lens), max(s + r for s, r in zip(starts, lens))
-        write, gather = [], torch.zeros((n, max_kv), dtype=torch.long)
-        row_index = torch.full((n, max_rows), total_rows, dtype=torch.long)
-        mask = torch.zeros((n, 1, max_rows, max_kv), dtype=torch.bool)
-        row = 0
-        for i, (table, start, rows) in enumerate(zip(page_tables, starts, lens)):
-            kv_len = start + rows
-            pages = torch.tensor(table, dtype=torch.long)
-            pos = torch.arange(kv_len)
-            flat = pages[pos // page_size] * page_size + pos % page_size
-            gather[i, :kv_len] = flat
-            write.append(flat[start:])
-            row_index[i, :rows] = torch.arange(row, row + rows)
-            q_pos = torch.arange(start, kv_len)
-            mask[i, 0, :rows, :kv_len] = pos[None, :] <= q_pos[:, None]
-            row += rows
-        return cls(torch.cat(write).to(device), gather.to(device), row_index.to(device),
-                   mask.to(device))
 
 
 @dataclass
@@ -146,7 +100,7 @@ class PagedMetadata:
 
 class PagedAttentionBackend:
     """AttentionBackend over a PagedKVCache for one forward (see core.AttentionBackend):
-    in place for decode / verify (`PagedMetadata`), gather + SDPA for prefill."""
+    in place for decode / verify (`PagedMetadata`), SDPA for prefill (`AttentionMetadata`)."""
 
     def __init__(self, kv: PagedKVCache, meta: AttentionMetadata | PagedMetadata) -> None:
         self.kv, self.meta = kv, meta
@@ -156,25 +110,7 @@ class PagedAttentionBackend:
         li = self.kv.layer_index[layer_id]
         if isinstance(self.meta, PagedMetadata):
             return self._paged(li, q, k, v)
-        k_flat = self.kv.k[li].view(-1, *self.kv.k.shape[-2:])
-        v_flat = self.kv.v[li].view(-1, *self.kv.v.shape[-2:])
-        k_flat[self.meta.write_index] = k.to(k_flat.dtype)
-        v_flat[self.meta.write_index] = v.to(v_flat.dtype)
-        num_rows, hq, d = q.shape
-        hkv = k.shape[1]
-        q_pad = torch.cat([q, q.new_zeros(1, hq, d)])[self.meta.row_index]  # [N, R, Hq, D]
-        keys = k_flat[self.meta.gather_index]  # [N, L, Hkv, D]
-        values = v_flat[self.meta.gather_index]
-        if hq != hkv:
-            keys = keys.repeat_interleave(hq // hkv, dim=2)
-            values = values.repeat_interleave(hq // hkv, dim=2)
-        out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
-            values.transpose(1, 2).to(q.dtype), attn_mask=self.meta.mask)  # [N, Hq, R, D]
-        out = out.transpose(1, 2)
-        flat = q.new_empty(num_rows + 1, hq, d)
-        flat[self.meta.row_index] = out
-        return flat[:num_rows]
+        return prefill_attention(self.meta, self.kv.k[li], self.kv.v[li], q, k, v)
 
     def _paged(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N * R, Hq, D], k/v [N * R, Hkv, D] -> [N * R, Hq, D]; softmax scale D^-1/2 (the

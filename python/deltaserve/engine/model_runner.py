@@ -14,9 +14,11 @@ from deltaserve.engine.attention import (
     PagedKVCache,
     PagedMetadata,
 )
-from deltaserve.engine.gdn_backend import GDNMetadata, PoolGDNBackend
+from deltaserve.engine.gdn_backend import GDNMetadata, GDNPrefill, PoolGDNBackend
 from deltaserve.engine.staging import row_positions, to_device
 from deltaserve.ops.gdn import GDNStash
+
+_TORCH = {np.int32: torch.int32, np.int64: torch.int64}
 
 
 @dataclass
@@ -89,13 +91,19 @@ class ModelRunner:
         tables, starts = [r.page_table for r in batch.reqs], [r.device_len for r in batch.reqs]
         if batch.phase is Phase.PREFILL:
             attn_meta = AttentionMetadata.build(tables, starts, batch.extend_lens,
-                                                self.kv.page_size, dev)
+                                                self.kv.page_size, dev,
+                                                lambda a: to_device(a, torch.int64, dev))
         else:  # decode / verify: every request has rows_per_req rows; attended in place
             attn_meta = PagedMetadata.build(tables, starts, batch.rows_per_req,
                                             self.kv.page_size, dev)
         slot_ids = [r.slot for r in batch.reqs]
-        gdn_meta = GDNMetadata(batch.phase, to_device(slot_ids, torch.int32, dev),
-                               to_device(cu, torch.int32, dev), batch.rows_per_req)
+        if batch.phase is Phase.PREFILL:
+            pre = GDNPrefill.build(batch.extend_lens, slot_ids, batch.tracks,
+                                   lambda a: to_device(a, _TORCH[a.dtype.type], dev))
+            gdn_meta = GDNMetadata(batch.phase, pre.slots, pre.cu_seqlens, prefill=pre)
+        else:
+            gdn_meta = GDNMetadata(batch.phase, to_device(slot_ids, torch.int32, dev),
+                                   to_device(cu, torch.int32, dev), batch.rows_per_req)
         write, rows = self.take_pending(batch.phase, slot_ids)
         if batch.phase is Phase.VERIFY:
             gdn_meta.stash = self.stashes[write]

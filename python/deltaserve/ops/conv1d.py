@@ -20,6 +20,7 @@ from deltaserve.ops._ext import (
     same_kernel_dtype,
     vector_rows,
 )
+from deltaserve.ops.gdn import L2_EPS, _l2norm
 
 
 def _conv_rows(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -117,6 +118,48 @@ def conv1d_prefill_ref(x, weight, bias, conv_state, cu_seqlens, slots, track_off
     for slot, window in writes:
         conv_state[slot] = window.to(conv_state.dtype)
     return y
+
+
+def conv_qkv_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     conv_state: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                     track_offsets: torch.Tensor | None, track_slots: torch.Tensor | None, *,
+                     num_k_heads: int,
+                     head_k_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """causal_conv1d_prefill for a GDN layer, its output split and q, k L2-normalised.
+
+    Arguments as causal_conv1d_prefill (x [T, D], D = 2·H·K + HV·V, channels q | k | v).
+    Returns q, k [T, H, K] and v [T, D - 2·H·K], contiguous, x's dtype: q and k normalised per
+    head, u * rsqrt(sum(u²) + 1e-6) in fp32 from u, the conv output as stored in x's dtype, then
+    rounded to it (what gdn_chunk_prefill takes with qk_normalized=True). CUDA: one kernel
+    writes the three blocks (no copy, no norm kernel) where its warp layout fits (D / (16 bytes
+    of x) a multiple of 32, K/(16 bytes) a power of two up to 32), else the plain conv kernel
+    and the norm below. Raises ValueError as causal_conv1d_prefill, and on 2·H·K >= D.
+    """
+    hk = num_k_heads * head_k_dim
+    if not 0 < 2 * hk < x.shape[-1]:
+        raise ValueError(f"2 * H * K = {2 * hk} must lie inside conv_dim {x.shape[-1]}")
+    t = x.shape[0]
+    if _kernel_ok(x, weight, bias, conv_state) and _qkv_fits(x, head_k_dim):
+        _check(x, 0, weight, bias, conv_state, slots, None)
+        checks.seqlens(cu_seqlens, slots.shape[0], t)
+        y = _ext.ops().gdn_conv_prefill(x, weight, bias, conv_state, cu_seqlens, slots,
+                                        track_offsets, track_slots, hk, head_k_dim, L2_EPS)
+        q, k, v = y.split([t * hk, t * hk, t * (x.shape[-1] - 2 * hk)])
+        return (q.view(t, num_k_heads, head_k_dim), k.view(t, num_k_heads, head_k_dim),
+                v.view(t, -1))
+    y = causal_conv1d_prefill(x, weight, bias, conv_state, cu_seqlens, slots, track_offsets,
+                              track_slots)
+    q, k, v = y.split([hk, hk, x.shape[-1] - 2 * hk], dim=-1)
+    q, k = (_l2norm(u.reshape(t, num_k_heads, head_k_dim)).to(x.dtype) for u in (q, k))
+    return q, k, v.contiguous()
+
+
+def _qkv_fits(x: torch.Tensor, head_k_dim: int) -> bool:
+    """gdn_conv_prefill's warp layout holds for these sizes (csrc/ops/conv1d.cu says why)."""
+    vec = 16 // x.element_size()
+    lanes = head_k_dim // vec
+    return (head_k_dim % vec == 0 and 0 < lanes <= 32 and lanes & (lanes - 1) == 0
+            and (x.shape[-1] // vec) % 32 == 0)
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

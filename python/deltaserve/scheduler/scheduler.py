@@ -5,10 +5,11 @@ plus the extra rows of a verify step) fit in free + evictable pages minus what r
 requests have reserved, and its slots are taken at admission. So a running request never
 waits for memory and nothing is preempted; requests that cannot fit wait in FIFO order.
 
-Snapshots (snapshots.py): the prompt's last grid boundary B (a multiple of
-G = lcm(snapshot_grid, page_size), B <= prompt_len) ends a prefill chunk and is copied to a
-track slot reserved at admission; every intermediate prefill chunk ends on the grid and its end
-is copied to a snapshot slot taken then, when one can be had. All of them enter the prefix
+Snapshots (snapshots.py): the state at the prompt's last grid boundary B (a multiple of
+G = lcm(snapshot_grid, page_size), B <= prompt_len) goes to a track slot reserved at admission
+(written by the forward whose chunk runs past B, or copied when a chunk ends there); every
+intermediate prefill chunk ends on the grid and its end is copied to a snapshot slot taken
+then, when one can be had. All of them enter the prefix
 cache when the request finishes. A finished request whose processed length is on the grid
 gives its live slot to the cache as one more snapshot, unless an overlapped decode step
 (engine/overlap.py) already advanced that slot past its last token (`Req.ahead`). A prompt
@@ -217,7 +218,7 @@ class Scheduler:
         decoding = [r for r in self.running if not r.in_prefill]
         if prefill and not (decoding and self._prefill_turn):
             self._prefill_turn = True
-            reqs, lens, budget = [], [], self.cfg.max_num_batched_tokens
+            reqs, lens, tracks, budget = [], [], [], self.cfg.max_num_batched_tokens
             for req in prefill:
                 if budget <= 0:
                     break
@@ -226,8 +227,10 @@ class Scheduler:
                 self.ensure_pages(req, req.device_len + n)
                 reqs.append(req)
                 lens.append(n)
+                tracks.append(self.snaps.interior_track(req, n))  # written by the forward
                 budget -= n
-            return Batch(Phase.PREFILL, reqs, lens)
+            return Batch(Phase.PREFILL, reqs, lens,
+                         tracks=tracks if any(t is not None for t in tracks) else None)
         self._prefill_turn = False
         if not decoding:
             return None

@@ -7,7 +7,12 @@ to the prefix cache together when the request is released:
 
 - **Track snapshots** at the prompt's last grid boundary B (and at B - G when B == prompt_len:
   a resent identical prompt recomputes its last token, so it can only resume below B). Their
-  slots are reserved at admission, which waits until they can be had: guaranteed.
+  slots are reserved at admission, which waits until they can be had: guaranteed. A chunk that
+  ends at a track depth copies the live state there; a chunk that runs past one
+  (`in_forward`, the default) has the forward write the state at that depth into the track
+  slot itself (Batch.tracks: the GDN backend splits the request's recurrence there, the conv
+  writes the window there), so the prompt's last chunk is not cut short at B (or B - G), which
+  cost a 64n-token prompt one more forward. At most one track depth lies inside a chunk.
 - **Chunk snapshots** at the end of every intermediate prefill chunk. `chunk_len` makes such a
   chunk end on the grid: its end is rounded down to the deepest grid boundary inside it (a
   chunk shorter than G that holds no boundary keeps its length, so small chunks go on until
@@ -56,11 +61,13 @@ class PrefillSnapshots:
     """
 
     def __init__(self, state_pool: GDNStatePool, cache: PrefixCache, grid: int,
-                 max_per_prompt: int, enabled: bool, forks: bool = True) -> None:
+                 max_per_prompt: int, enabled: bool, forks: bool = True,
+                 in_forward: bool = True) -> None:
         assert grid >= 1 and max_per_prompt >= 0
         self.state_pool, self.cache, self.grid = state_pool, cache, grid
         self.max_per_prompt = max_per_prompt
         self.enabled = enabled
+        self.in_forward = in_forward  # track depths inside a chunk are written by the forward
         self.forks_on = forks and self.chunk_snapshots_on
         self.forks: dict[int, tuple[int, tuple[int, ...]]] = {}  # rid -> (depth, claim key)
         self.claims: dict[tuple[int, ...], int] = {}  # prompt_ids[:depth + 1] -> claiming rid
@@ -94,17 +101,33 @@ class PrefillSnapshots:
     def chunk_len(self, req: Req, n: int) -> int:
         """The length of `req`'s next prefill chunk given `n` schedulable tokens (n >= 1):
         a chunk that is not the prompt's last ends on the grid when a grid boundary lies
-        inside it; no chunk runs past a reserved track depth. Returns 1..n."""
+        inside it; no chunk runs past a fork depth, nor past a reserved track depth unless
+        `in_forward` (then past at most one: `interior_track`). Returns 1..n."""
         start, end = req.device_len, req.device_len + n
         if self.chunk_snapshots_on and end < req.prompt_len:
             on_grid = end // self.grid * self.grid
             if on_grid > start:
                 end = on_grid
         fork = self.forks.get(req.rid)
-        for depth in (*self.tracks.get(req.rid, ()), *(fork[:1] if fork else ())):
+        for depth in fork[:1] if fork else ():
             if start < depth < end:
                 end = depth
+        inside = sorted(d for d in self.tracks.get(req.rid, ()) if start < d < end)
+        if inside and not self.in_forward:
+            end = inside[0]
+        elif len(inside) > 1:
+            end = inside[1]
         return end - start
+
+    def interior_track(self, req: Req, n: int) -> tuple[int, int] | None:
+        """For the chunk of n rows from req.device_len (chunk_len's): (offset into the chunk,
+        track slot) of the reserved track depth strictly inside it, which the forward writes
+        (Batch.tracks), or None."""
+        start = req.device_len
+        for depth, slot in self.tracks.get(req.rid, {}).items():
+            if start < depth < start + n:
+                return depth - start, slot
+        return None
 
     def plan_fork(self, req: Req, path_len: int) -> None:
         """At admission, after `reserve` and `req.admit`: plan `req`'s fork snapshot at the
@@ -189,10 +212,14 @@ class PrefillSnapshots:
     def after_chunk(self, req: Req) -> None:
         """After a prefill chunk of `req` ran (req.device_len is its end): copy the live state
         into the track slot reserved at that depth, or take a chunk snapshot when the end is
-        an intermediate grid depth far enough past the previous snapshot. Mutates
-        req.snapshots and the state pool; the live slot is unchanged."""
+        an intermediate grid depth far enough past the previous snapshot; a track depth the
+        chunk ran past was written by the forward and is recorded. Mutates req.snapshots and
+        the state pool; the live slot is unchanged."""
         d = req.device_len
         tracks = self.tracks.get(req.rid, {})
+        for depth, slot in tracks.items():
+            if depth < d and depth not in req.snapshots:  # inside the chunk (Batch.tracks)
+                req.snapshots[depth] = slot
         if d in tracks:
             self.state_pool.copy(req.slot, tracks[d])
             req.snapshots[d] = tracks[d]

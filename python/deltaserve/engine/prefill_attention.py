@@ -1,0 +1,164 @@
+"""Prefill attention: the chunk's new rows are written into their KV pages, then attend causally
+over each request's cached positions plus themselves (a row at position p sees positions <= p).
+
+Indices are built once per forward on the host with numpy and uploaded in one copy
+(`AttentionMetadata.build`); no layer builds a mask on the host. Two ways to attend:
+- **one request at a time** (CUDA, up to PER_REQUEST_MAX requests, or more when the padded
+  block would hold over PADDED_MAX row-position pairs: one long chunk among short ones, whose
+  padded mask and gathers would be N times its size): a request with no cached
+  positions attends over its new rows directly (`is_causal`), one that has some gathers its
+  positions from the pages and attends with a bottom-right aligned causal mask
+  (`causal_lower_right`); both reach SDPA's fused kernels (flash attention) without a
+  materialised mask, so an 8,192-token chunk is ~O(T^2/2 * D) math and O(T * D) bytes;
+- **padded** (CPU, and CUDA past PER_REQUEST_MAX requests, where a Python loop per request
+  would launch too much): every request's positions gathered into [N, L, Hkv, D], its rows
+  into [N, Rmax, Hq, D], one SDPA with a boolean mask built on the device. The CPU reference
+  runs this path with the same mask and gather as before, so its bits are unchanged.
+Scale D^-1/2 (SDPA's default, the model's `scaling`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+PER_REQUEST_MAX = 4
+PADDED_MAX = 1 << 24  # N * max rows * max positions of the padded path (its mask's elements)
+
+
+@dataclass
+class AttentionMetadata:
+    """A prefill forward's attention indices, shared by every attention layer.
+
+    write_index [T] int64: flat KV index (page * page_size + offset) of each new row.
+    spans: per request (first row in the batch, rows, start): its rows sit at positions
+        start .. start + rows - 1.
+    contexts: per request the flat KV indices [start + rows] of its positions 0.. (a view of
+        one uploaded array), or None where start == 0 on the per-request path (its new rows
+        are its whole context).
+    per_request: True on the per-request path, else the padded path's tensors are set:
+    gather_index [N, L] (padding -> 0), row_index [N, Rmax] (padding -> T, a dummy row),
+    mask [N, 1, Rmax, L] bool (row r of request i sees positions <= start_i + r).
+    """
+
+    write_index: torch.Tensor
+    spans: list[tuple[int, int, int]]
+    contexts: list[torch.Tensor | None] = field(default_factory=list)
+    per_request: bool = True
+    gather_index: torch.Tensor | None = None
+    row_index: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, page_tables: list[list[int]], starts: list[int], lens: list[int],
+              page_size: int, device: torch.device,
+              upload: Callable[[np.ndarray], torch.Tensor] | None = None,
+              per_request: bool | None = None) -> AttentionMetadata:
+        """page_tables[i] covers positions [0, starts[i] + lens[i]) of request i (lens >= 1).
+        upload(int64 array) -> device tensor: one copy (default: `.to(device)`).
+        per_request: the path (None: on CUDA per request up to PER_REQUEST_MAX requests or
+        past PADDED_MAX; padded otherwise and on the CPU)."""
+        n, device = len(starts), torch.device(device)
+        max_rows, max_kv = max(lens), max(s + r for s, r in zip(starts, lens))
+        if per_request is None:
+            per_request = device.type == "cuda" and (
+                n <= PER_REQUEST_MAX or n * max_rows * max_kv > PADDED_MAX)
+        flats, spans, row = [], [], 0
+        for table, start, rows in zip(page_tables, starts, lens):
+            kv_len = start + rows
+            pages = np.asarray(table[:-(-kv_len // page_size)], dtype=np.int64)
+            flats.append((pages[:, None] * page_size
+                          + np.arange(page_size, dtype=np.int64)).reshape(-1)[:kv_len])
+            spans.append((row, rows, start))
+            row += rows
+        parts = [np.concatenate([f[s:] for f, (_, _, s) in zip(flats, spans)])]
+        if per_request:
+            parts += [f for f, (_, _, s) in zip(flats, spans) if s > 0]
+        else:
+            gather = np.zeros((n, max_kv), dtype=np.int64)
+            row_index = np.full((n, max_rows), row, dtype=np.int64)
+            for i, (f, (r0, rows, _)) in enumerate(zip(flats, spans)):
+                gather[i, :len(f)] = f
+                row_index[i, :rows] = np.arange(r0, r0 + rows)
+            parts += [gather.reshape(-1), row_index.reshape(-1),
+                      np.asarray(starts, dtype=np.int64)]
+        sizes = [len(p) for p in parts]
+        flat = np.concatenate(parts)
+        dev = upload(flat) if upload is not None else torch.from_numpy(flat).to(device)
+        views = list(dev.split(sizes))
+        meta = cls(views[0], spans, per_request=per_request)
+        if per_request:
+            it = iter(views[1:])
+            meta.contexts = [next(it) if s > 0 else None for _, _, s in spans]
+            return meta
+        gather, row_index, start_t = views[1:]
+        meta.gather_index = gather.view(n, max_kv)
+        meta.row_index = row_index.view(n, max_rows)
+        pos = torch.arange(max_kv, device=dev.device)
+        q_pos = start_t[:, None] + torch.arange(max_rows, device=dev.device)  # [N, Rmax]
+        meta.mask = (pos[None, None, :] <= q_pos[:, :, None])[:, None]
+        return meta
+
+
+def prefill_attention(meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Write the new rows' k/v into one layer's pages, then attend.
+
+    meta: the forward's AttentionMetadata; k_cache, v_cache [P, page_size, Hkv, D] (written);
+    q [T, Hq, D], k/v [T, Hkv, D] (RoPE applied) -> o [T, Hq, D] contiguous, q's dtype.
+    """
+    k_flat = k_cache.view(-1, *k_cache.shape[-2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[-2:])
+    k_flat[meta.write_index] = k.to(k_flat.dtype)
+    v_flat[meta.write_index] = v.to(v_flat.dtype)
+    if not meta.per_request:
+        return _padded(meta, k_flat, v_flat, q)
+    outs = []
+    for (r0, rows, _), ctx in zip(meta.spans, meta.contexts):
+        if ctx is None:  # no cached positions: the new rows are the whole context
+            keys, values = k[r0:r0 + rows].to(q.dtype), v[r0:r0 + rows].to(q.dtype)
+        else:
+            keys, values = k_flat[ctx].to(q.dtype), v_flat[ctx].to(q.dtype)
+        outs.append(_causal(q[r0:r0 + rows], keys, values))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """q [R, Hq, D] at the last R of L positions, keys/values [L, Hkv, D] -> [R, Hq, D].
+    Keys are repeated to Hq heads: every fused SDPA kernel takes the call then (not all of
+    them take grouped heads)."""
+    hq, hkv = q.shape[1], keys.shape[1]
+    if hq != hkv:
+        keys = keys.repeat_interleave(hq // hkv, dim=1)
+        values = values.repeat_interleave(hq // hkv, dim=1)
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, keys, values))
+    rows, length = q.shape[0], keys.shape[0]
+    if rows == length:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh,
+                                             attn_mask=causal_lower_right(rows, length))
+    return out[0].transpose(0, 1).contiguous()
+
+
+def _padded(meta: AttentionMetadata, k_flat: torch.Tensor, v_flat: torch.Tensor,
+            q: torch.Tensor) -> torch.Tensor:
+    num_rows, hq, d = q.shape
+    hkv = k_flat.shape[1]
+    q_pad = torch.cat([q, q.new_zeros(1, hq, d)])[meta.row_index]  # [N, R, Hq, D]
+    keys = k_flat[meta.gather_index]  # [N, L, Hkv, D]
+    values = v_flat[meta.gather_index]
+    if hq != hkv:
+        keys = keys.repeat_interleave(hq // hkv, dim=2)
+        values = values.repeat_interleave(hq // hkv, dim=2)
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
+        values.transpose(1, 2).to(q.dtype), attn_mask=meta.mask)  # [N, Hq, R, D]
+    flat = q.new_empty(num_rows + 1, hq, d)
+    flat[meta.row_index] = out.transpose(1, 2)
+    return flat[:num_rows]

@@ -1,0 +1,60 @@
+"""Prefill attention on CUDA (bf16, the 0.8B config's heads): the per-request path (flash, no
+mask) and the padded path against the dense definition, and no host sync in a call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_prefill_attention import case, dense
+
+from deltaserve.engine.prefill_attention import AttentionMetadata, prefill_attention
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+
+
+def on_gpu(k_cache, v_cache, tables, q, k, v):
+    return (k_cache.to(DEV, torch.bfloat16), v_cache.to(DEV, torch.bfloat16), tables,
+            q.to(DEV, torch.bfloat16), k.to(DEV, torch.bfloat16), v.to(DEV, torch.bfloat16))
+
+
+@pytest.mark.parametrize("per_request", [True, False])
+@pytest.mark.parametrize(("starts", "lens"), [
+    ([0], [256]),  # a cold prompt: is_causal over its own rows
+    ([8128], [64]),  # the tail of an 8k prompt: bottom-right causal over gathered pages
+    ([0, 300, 5], [200, 77, 1]),
+    ([0], [2048]),
+])
+def test_both_paths_match_the_dense_definition_in_bf16(per_request, starts, lens):
+    kc, vc, tables, qg, kg, vg = on_gpu(*case(starts, lens, 16, hq=8, hkv=2, d=256, seed=1))
+    # the definition reads the same bf16 values
+    want = dense(kc.cpu().float(), vc.cpu().float(), tables, starts, lens, qg.cpu().float(),
+                 kg.cpu().float(), vg.cpu().float())
+    meta = AttentionMetadata.build(tables, starts, lens, 16, DEV, per_request=per_request)
+    got = prefill_attention(meta, kc, vc, qg, kg, vg)
+    assert got.is_contiguous() and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_cuda_picks_the_per_request_path_up_to_its_limit():
+    from deltaserve.engine.prefill_attention import PER_REQUEST_MAX
+
+    n = PER_REQUEST_MAX
+    tables = [[i + 1] for i in range(n + 1)]
+    assert AttentionMetadata.build(tables[:n], [0] * n, [4] * n, 16, DEV).per_request
+    assert not AttentionMetadata.build(tables, [0] * (n + 1), [4] * (n + 1), 16, DEV).per_request
+
+
+@pytest.mark.parametrize("starts", [[0], [100], [0, 64, 3, 9, 11]])
+def test_a_prefill_attention_call_never_waits_for_the_device(starts):
+    lens = [128] * len(starts)
+    kc, vc, tables, q, k, v = on_gpu(*case(starts, lens, 16, hq=8, hkv=2, d=256, seed=2))
+    meta = AttentionMetadata.build(tables, starts, lens, 16, DEV)
+    prefill_attention(meta, kc, vc, q, k, v)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        prefill_attention(meta, kc, vc, q, k, v)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

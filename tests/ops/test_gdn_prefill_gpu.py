@@ -1,0 +1,95 @@
+"""gdn_chunk_prefill on CUDA (fla-core's stages called one by one): bit for bit fla's public
+chunk_gated_delta_rule, a chained sequence bit for bit a second call from its predecessor's
+final state, close to the torch reference, and no host synchronisation in a call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ops_helpers import gdn_inputs, random_state
+
+from deltaserve.ops.chunk_prefill import PrefillIndex, gdn_chunk_prefill, gdn_chunk_prefill_ref
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+# (H, HV, K=V): the 0.8B config's, and a small one (each new shape compiles and autotunes
+# fla-core's kernels once per process: a few seconds each)
+SHAPES = [(16, 16, 128), (4, 8, 32)]
+
+
+def inputs(t: int, h: int, hv: int, kd: int, seed: int):
+    return gdn_inputs(t, None, h, hv, kd, kd, seed=seed, dtype=torch.bfloat16, device=DEV)
+
+
+@pytest.mark.parametrize(("h", "hv", "kd"), SHAPES)
+def test_the_staged_pipeline_gives_the_bits_of_flas_public_entry_point(h, hv, kd):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    bounds = [0, 1, 101, 164, 464]
+    q, k, v, a, b, A_log, dt_bias = inputs(bounds[-1], h, hv, kd, seed=1)
+    h0 = random_state(len(bounds) - 1, hv, kd, kd, seed=2, device=DEV)
+    scale = kd ** -0.5
+    o, final = gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, h0,
+                                 PrefillIndex.build(bounds, device=DEV), scale)
+    o_api, final_api = chunk_gated_delta_rule(
+        q[None], k[None], v[None], a[None], torch.sigmoid(b.float())[None], scale=scale,
+        initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, state_v_first=True,
+        cu_seqlens=torch.tensor(bounds, device=DEV))
+    assert torch.equal(o, o_api[0])
+    assert torch.equal(final, final_api)
+
+
+@pytest.mark.parametrize(("h", "hv", "kd"), SHAPES)
+@pytest.mark.parametrize("split", [64, 192, 37])
+def test_a_chained_sequence_gives_the_bits_of_a_second_call(h, hv, kd, split):
+    n0, n1 = 256, 77
+    q, k, v, a, b, A_log, dt_bias = inputs(n0 + n1, h, hv, kd, seed=3)
+    h0 = random_state(2, hv, kd, kd, seed=4, device=DEV)
+    index = PrefillIndex.build([0, n1, n1 + split, n1 + n0], [False, False, True], device=DEV)
+    # request 1 (rows n1..) is split at `split`; request 0 runs alongside it
+    init = torch.stack([h0[1], h0[0], torch.full_like(h0[0], float("nan"))])
+    o, final = gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, init, index, kd ** -0.5)
+
+    def call(lo, hi, state):
+        return gdn_chunk_prefill(q[lo:hi], k[lo:hi], v[lo:hi], a[lo:hi], b[lo:hi], A_log,
+                                 dt_bias, state[None], PrefillIndex.build([0, hi - lo],
+                                                                          device=DEV),
+                                 kd ** -0.5)
+
+    o_0, s_0 = call(0, n1, h0[1])
+    o_a, s_a = call(n1, n1 + split, h0[0])
+    o_b, s_b = call(n1 + split, n1 + n0, s_a[0])
+    assert torch.equal(o, torch.cat([o_0, o_a, o_b]))
+    assert torch.equal(final, torch.cat([s_0, s_a, s_b]))
+
+
+@pytest.mark.parametrize("chained", [[False, False, False], [False, True, False]])
+def test_prefill_matches_the_torch_reference(chained):
+    h, hv, kd = 16, 16, 128
+    bounds = [0, 150, 300, 301]
+    q, k, v, a, b, A_log, dt_bias = inputs(bounds[-1], h, hv, kd, seed=5)
+    h0 = random_state(3, hv, kd, kd, seed=6, device=DEV)
+    index = PrefillIndex.build(bounds, chained, device=DEV)
+    o, final = gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, h0, index, kd ** -0.5)
+    o_ref, final_ref = gdn_chunk_prefill_ref(q, k, v, a, b, A_log, dt_bias, h0, index,
+                                             kd ** -0.5)
+    # fla-core runs its matmuls in bf16: loose tolerances; a wrong chain would be far off
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(final, final_ref, atol=2e-2, rtol=2e-2)
+
+
+def test_a_prefill_call_never_waits_for_the_device():
+    h, hv, kd = 16, 16, 128
+    bounds = [0, 192, 256, 300]
+    q, k, v, a, b, A_log, dt_bias = inputs(bounds[-1], h, hv, kd, seed=7)
+    h0 = random_state(3, hv, kd, kd, seed=8, device=DEV)
+    index = PrefillIndex.build(bounds, [False, True, False], device=DEV)
+    gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, h0, index, kd ** -0.5)  # autotune first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, h0, index, kd ** -0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
