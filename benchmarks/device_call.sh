@@ -25,7 +25,7 @@ run() {  # name timeout cmd...
 }
 has gemvtest && run gemvtest 70 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/ops/test_linear_gpu.py
 # shellcheck disable=SC2086  # GPU_TESTS is a list of test paths
-has gputests && TAILN=25 run gputests ${TESTS_T:-200} python3 -m pytest -m gpu -q -p no:cacheprovider -x --timeout=120 ${GPU_TESTS:-tests/engine/test_gpu_overlap.py}
+has gputests && TAILN=25 run gputests ${TESTS_T:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=120 ${GPU_TESTS:-tests/engine/test_gpu_overlap.py}
 has linear && run linear 60 python3 benchmarks/bench_linear.py --out "$OUT/linear.json"
 has profile && TAILN=12 run profile 170 python3 benchmarks/profile_step.py --vocab 248320 --out "$OUT/profile.txt"
 has stepoff && DS_GEMV_MAX_ROWS=0 run stepoff 90 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --disable-overlap-schedule --out "$OUT/stepoff.json"

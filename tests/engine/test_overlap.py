@@ -87,7 +87,9 @@ def test_a_mixed_workload_gives_the_synchronous_tokens(ckpt):
     for eng in (sync, over):
         eng.eos_ids.add(eos)  # the scheduler's set: only request 6 does not ignore EOS
     want, got = drive(sync, script), drive(over, script)
-    assert over.overlap is not None and over.overlap.overlapped_steps > 10
+    # the overlap path ran for a good share of the decode steps (10 of them with in-forward
+    # prefill snapshots, which save a forward per prompt)
+    assert over.overlap is not None and over.overlap.overlapped_steps >= 8
     assert sync.overlap is None
     for rid in (0, 1, 2, 3, 5, 6):
         assert (got[rid].tokens, got[rid].reason) == (want[rid].tokens, want[rid].reason), rid
