@@ -63,9 +63,12 @@ def test_snapshots_written_inside_the_forward_match_the_cut_chunks(ckpt):
 
     got, want = snaps(new), snaps(old)
     assert sorted(got) == sorted(want) and 192 in got and 256 in got
-    for d in got:  # the same arithmetic on projections of another row count: close, not bits
+    # the same arithmetic over other chunk boundaries: fla's Triton dots take fp32 operands
+    # as tf32 (10-bit mantissas), so states agree to tf32 rounding, not bits (1e-4 failed by
+    # 1.8e-4 on 6 of 12,288 values on the H200, 2026-12-04)
+    for d in got:
         for x, y in zip(got[d], want[d]):
-            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(x, y, atol=1e-3, rtol=1e-3)
     # resuming from the snapshots written inside the forward gives the cold tokens
     cold = make(ckpt, enable_prefix_cache=False)
     for prompt in ([*prompts[0][:250], *tokens(9, seed=3)], prompts[0]):

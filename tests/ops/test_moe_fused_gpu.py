@@ -46,7 +46,7 @@ def _tokens(t, salt, dtype=torch.bfloat16, e=E, h=H, shared=True):
 
 
 def _check(x, logits, w, k=K, norm=True):
-    assert mf.fused_fits(x, logits, *w[:2], k, *w[2:])
+    assert mf.fused_fits(x, logits, *w[:2], k, *(*w[2:], None, None)[:2])
     got = mf.moe_fused(x, logits, *w[:2], k, norm, *w[2:])
     assert_close_to_reference(got, mf.moe_fused_reference(x, logits, *w[:2], k, norm, *w[2:]))
     return got
