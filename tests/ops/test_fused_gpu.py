@@ -87,8 +87,10 @@ def test_qk_norm_rope_matches_the_reference(t, hq, hkv, d, rot, dtype, gen):
     cos, sin = inp.rope(t, rot, dtype, gen, DEV)
     q, k_out = fused.qk_norm_rope(q_gate, k, qw, kw, cos, sin, EPS)
     q_ref, k_ref = fused.qk_norm_rope_ref(q_gate, k, qw, kw, cos, sin, EPS)
-    inp.close(q, q_ref)
-    inp.close(k_out, k_ref)
+    # the rotation mixes two normalised values: where one of them sits an ulp apart, the output
+    # can move two of its ulps (seen once in 16.7 M fp16 outputs at T = 8192 on the H200)
+    inp.close(q, q_ref, scale=2.0)
+    inp.close(k_out, k_ref, scale=2.0)
 
 
 @pytest.mark.parametrize("t", TOKENS)
