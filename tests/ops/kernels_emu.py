@@ -58,12 +58,14 @@ class CountingOps:
 
     def __init__(self, ops):
         self._ops, self.calls = ops, 0
+        self.by_op: dict[str, int] = {}  # calls per op name
 
     def __getattr__(self, name):
         op = getattr(self._ops, name)
 
         def call(*args):
             self.calls += 1
+            self.by_op[name] = self.by_op.get(name, 0) + 1
             return op(*args)
 
         return call

@@ -146,3 +146,31 @@ def test_the_bound_widens_for_normalizers_and_falls_back_when_unknowable(normali
     tokenizer = SimpleNamespace(backend_tokenizer=_Backend(normalizer, decoder),
                                 get_vocab=lambda: {"a": 0, "b": 7, "c": 3})
     assert chars_per_token_bound(tokenizer) == bound
+
+
+def test_a_refused_body_is_drained_only_within_its_byte_and_time_bounds(monkeypatch):
+    import asyncio
+
+    from deltaserve.server import limits
+
+    chunk = b"x" * (1 << 20)
+    taken = []
+
+    async def endless():  # a client that never stops sending
+        taken.append(len(chunk))
+        return {"type": "http.request", "body": chunk, "more_body": True}
+
+    monkeypatch.setattr(limits, "DRAIN_MAX_BYTES", 8 * len(chunk))
+    asyncio.run(limits._drain(endless))
+    assert sum(taken) == 9 * len(chunk)  # one chunk past the bound, then it stops
+
+    async def silent():  # a client that stops sending but keeps the connection
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(limits, "DRAIN_MAX_SECONDS", 0.05)
+    asyncio.run(asyncio.wait_for(limits._drain(silent), 30))  # returns: the time bound
+
+    async def last():
+        return {"type": "http.request", "body": b"tail", "more_body": False}
+
+    asyncio.run(limits._drain(last))  # the body's end ends the drain
