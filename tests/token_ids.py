@@ -1,11 +1,6 @@
-"""Reproducible random prompts for the tests."""
+"""Reproducible random prompts for the tests (the rule lives in deltaserve.model.testing, where
+scripts/bisect_ops.py reaches it too)."""
 
-from __future__ import annotations
+from deltaserve.model.testing import random_tokens
 
-import random
-
-
-def random_tokens(n: int, seed: int, vocab: int = 500) -> list[int]:
-    """`n` token ids drawn uniformly from [0, vocab) by a generator seeded with `seed`."""
-    rng = random.Random(seed)
-    return [rng.randrange(vocab) for _ in range(n)]
+__all__ = ["random_tokens"]

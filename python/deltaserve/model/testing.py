@@ -19,6 +19,7 @@ import importlib
 import inspect
 import json
 import math
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,13 @@ def transformers_torch_kernels() -> Iterator[None]:
                 torch_impl = inspect.unwrap(getattr(module, func))
                 stack.enter_context(mock.patch.object(module, func, torch_impl))
         yield
+
+
+def random_tokens(n: int, seed: int, vocab: int = 500) -> list[int]:
+    """`n` token ids drawn uniformly from [0, vocab) by `random.Random(seed)`: the tests'
+    reproducible prompts (below the tiny checkpoints' EOS id, 511)."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
 
 
 @torch.no_grad()
