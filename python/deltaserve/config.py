@@ -46,7 +46,8 @@ class EngineConfig:
     radix_lookahead: bool | None = None  # lookahead radix keys; None: on exactly for mtp
     cuda_graphs: bool = True
     # decode: launch step n+1 before step n's tokens reach the host (engine/overlap.py); takes
-    # effect with decode CUDA graphs, without speculation, at tensor_parallel_size 1
+    # effect with decode CUDA graphs at tensor_parallel_size 1 (with speculation: the plain
+    # decode steps of the adaptive policy; verify steps stay synchronous)
     overlap_schedule: bool = True
     tensor_parallel_size: int = 1  # worker processes (one per GPU); > 1: deltaserve/distributed
     distributed_timeout_s: float = 120.0  # a collective or a rank's answer waits at most this

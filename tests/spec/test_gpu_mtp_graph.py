@@ -117,3 +117,23 @@ def test_gpu_sampled_and_greedy_requests_together_through_mtp_graphs(ckpt):
                              eps=GPU_EPS)
     assert llm.engine.spec.proposer.graphs.steps > 0
     assert_drained(llm.engine)
+
+
+def test_gpu_overlapped_plain_steps_between_mtp_verify_steps_keep_plain_tokens(ckpt):
+    """Plain decode steps launched ahead of the host (overlap scheduling through the decode
+    graphs) between synchronous verify steps, the MTP catch-up deferred to the verify."""
+    from test_policy import PatternPolicy
+
+    batch, params = workload()
+    plain = [o.token_ids for o in make(ckpt).generate(batch, params)]
+    llm = spec(ckpt, graphs=True, policy="adaptive")
+    eng = llm.engine
+    policy = PatternPolicy(K, "vvdddddvdd")
+    eng.policy, eng.scheduler.choose_drafts = policy, policy.choose
+    outs = [o.token_ids for o in llm.generate(batch, params)]
+    assert eng.overlap.overlapped_steps > 5 and eng.spec.proposer.graphs.steps > 5
+    assert eng.decode_graphs.graphs
+    for prompt, p, a, b in zip(batch, params, plain, outs):
+        ref = reference_greedy(ckpt, prompt, p.max_tokens)
+        assert_same_runs(b, a, ref, f"overlapped mtp len {len(prompt)}", eps=GPU_EPS)
+    assert_drained(eng)

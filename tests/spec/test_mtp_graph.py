@@ -146,3 +146,26 @@ def test_device_acceptance_equals_the_host_rule():
         for i in range(n):
             assert greedy[i, :full[i] + 1].tolist() == accept(greedy[i].tolist(),
                                                                       drafts[i].tolist())
+
+
+def test_drafts_after_overlapped_decode_steps_equal_the_oracle_head(ckpt):
+    """Plain decode steps overlapped (engine/overlap.py) between verify steps: their hidden
+    states reach the proposer at launch and their catch-up waits for the next verify, whose
+    first draft is still the MTP head's argmax over the whole sequence."""
+    from test_mtp_proposer import oracle_mtp_logits
+    from test_policy import PatternPolicy
+
+    plain = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=4)
+    llm = make(ckpt, graphs=True, static_target=True, max_graph_reqs=4)
+    eng = llm.engine
+    eng.decode_graphs = GraphRunner(eng.runner, eng.cfg.max_running_reqs, 1, eng.max_model_len,
+                                    capture=False)
+    policy = PatternPolicy(K, "vvdddddvdd")
+    eng.policy, eng.scheduler.choose_drafts = policy, policy.choose
+    got = record_drafts(llm)
+    assert turns(llm, 24) == turns(plain, 24)
+    assert eng.overlap.overlapped_steps > 5 and eng.spec.proposer.graphs.steps > 5
+    assert len(got) > 10
+    for seq, drafts in got.items():
+        assert drafts[0] == int(oracle_mtp_logits(ckpt, list(seq))[-1].argmax()), len(seq)
+    assert_drained(eng)

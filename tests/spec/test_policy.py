@@ -7,6 +7,7 @@ import pytest
 from test_verify_contract import StubProposer, prompts
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.engine.cuda_graph import GraphRunner
 from deltaserve.model.testing import make_tiny_checkpoint
 from deltaserve.spec.policy import AdaptivePolicy, FixedPolicy, batch_bucket, build_policy
 from drained import assert_drained
@@ -105,17 +106,19 @@ def test_policy_names():
 
 
 class PatternPolicy(FixedPolicy):
-    """k or 0 by a fixed pattern over steps: runs of plain decode between verify steps."""
+    """k or 0 by a fixed pattern over the steps run so far: runs of plain decode between verify
+    steps. `choose` changes nothing (the count advances in on_step), as SpecPolicy requires."""
 
     def __init__(self, k: int, pattern: str) -> None:
         super().__init__(k)
         self.pattern, self.steps, self.seen = pattern, 0, []
 
     def choose(self, reqs):
-        k = self.k if self.pattern[self.steps % len(self.pattern)] == "v" else 0
+        return self.k if self.pattern[self.steps % len(self.pattern)] == "v" else 0
+
+    def on_step(self, k: int, batch_size: int, seconds: float) -> None:
         self.steps += 1
         self.seen.append(k)
-        return k
 
 
 @pytest.fixture(scope="module")
@@ -164,4 +167,35 @@ def test_the_adaptive_default_stays_exact_and_runs_both_kinds(ckpt):
     outs = spec.generate(batch, GREEDY)
     assert [o.token_ids for o in outs] == plain_outs
     assert 0 in seen and 3 in seen  # it measured both before deciding
+    assert_drained(eng)
+
+
+@pytest.mark.parametrize("algo, pattern", [("ngram", "vddvvddd"), ("mtp", "dddvdvvdddddd")])
+def test_overlapped_plain_steps_between_verify_steps_keep_greedy_exact(ckpt, algo, pattern):
+    """The policy's plain decode steps run through the overlap scheduler (decode graphs, the
+    fixed-shape step run eagerly on the CPU); verify steps run synchronously between them.
+    (test_mtp_graph.py checks the MTP drafts after overlapped steps against the oracle.)"""
+    batch = prompts(seed=6)
+    plain = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=16)
+    plain_outs = [o.token_ids for o in plain.generate(batch, GREEDY)]
+    spec = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=16,
+               max_running_reqs=4, speculative_algorithm=algo, speculative_num_steps=3)
+    eng = spec.engine
+    policy = PatternPolicy(3, pattern)
+    eng.policy = policy
+    eng.scheduler.choose_drafts = policy.choose
+    n = eng.cfg.max_running_reqs
+    eng.graphs = GraphRunner(eng.runner, n, 4, eng.max_model_len, capture=False)
+    eng.decode_graphs = GraphRunner(eng.runner, n, 1, eng.max_model_len, capture=False)
+    if algo == "mtp":
+        eng.spec.use_graphs(n, eng.max_model_len, capture=False)
+    else:
+        eng.spec.proposer = StubProposer(3, {tuple(p): o for p, o in zip(batch, plain_outs)},
+                                         512)
+    outs = spec.generate(batch, GREEDY)
+    for prompt, ours, ref_plain in zip(batch, outs, plain_outs):
+        ref = reference_greedy(ckpt, prompt, GREEDY.max_tokens)
+        assert_same_runs(ours.token_ids, ref_plain, ref, f"{algo} overlap len {len(prompt)}")
+    assert eng.overlap.overlapped_steps > 0 and 3 in policy.seen
+    assert eng.graphs.graph_steps > 0 and eng.spec_steps > 0
     assert_drained(eng)

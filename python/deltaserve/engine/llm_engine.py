@@ -161,7 +161,8 @@ class LLMEngine:
         self._healer: TokenHealer | None = None  # built by the first token-healing request
         self.forks = ForkGroups(self._queue)
         # decode steps launched ahead (engine/overlap.py): used where decode graphs exist
-        self.overlap = (OverlapScheduler(self) if cfg.overlap_schedule and self.spec is None
+        # (with speculation: the adaptive policy's plain decode steps)
+        self.overlap = (OverlapScheduler(self) if cfg.overlap_schedule
                         and cfg.tensor_parallel_size == 1 else None)
 
     # ---- requests -----------------------------------------------------------------------

@@ -35,15 +35,26 @@ Hazards, and why they are harmless:
 - Seeded sampling: a row of step n+1 samples output position len(output_ids) + ahead, the
   position the synchronous path samples one step later, so the tokens are the same.
 
+With speculation and the adaptive policy (spec/policy.py), the plain decode steps the policy
+picks overlap the same way through the engine's decode graphs; a verify step never does (its
+committed count decides the next step's positions on the host). Before launching step n+1 the
+policy is asked (`choose` is pure): when it wants a verify, step n lands and the next call runs
+the verify synchronously. An overlapped step's wall period (from the later of its launch and
+the previous landing, to its landing) is its cost for the policy, so the policy weighs verify
+steps against decode steps as they really run. The proposer sees each overlapped step's hidden
+states at launch (`on_forward`, rows whose requests have `ahead` > 0: the MTP proposer defers
+their catch-up to the next verify instead of waiting for the GPU).
+
 Synchronous fallback (the in-flight step lands first; the next call runs today's step):
-prefill batches and admissions, verify steps (speculation is never overlapped), rows that need
-host data derived from the previous token (penalties, grammar, token healing, logprobs), a
-batch no graph bucket holds, and no decode graphs at all (a CPU device, --disable-cuda-graphs,
-tensor parallel). `EngineConfig.overlap_schedule` (--disable-overlap-schedule) turns it off.
+prefill batches and admissions, verify steps, rows that need host data derived from the
+previous token (penalties, grammar, token healing, logprobs), a batch no graph bucket holds,
+and no decode graphs at all (a CPU device, --disable-cuda-graphs, tensor parallel, the fixed
+speculation policy). `EngineConfig.overlap_schedule` (--disable-overlap-schedule) turns it off.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,6 +79,7 @@ class InFlight:
     tokens: torch.Tensor
     host: torch.Tensor
     event: torch.cuda.Event | None
+    launched_at: float  # time.perf_counter() at launch
 
 
 def overlappable(req: Req) -> bool:
@@ -107,11 +119,19 @@ class OverlapScheduler:
         self.launched_rows = 0
         self.overlapped_steps = 0
         self.discarded_rows = 0
+        self._landed_at = 0.0  # time.perf_counter() when the last step landed
+
+    @property
+    def graphs(self):
+        """The decode GraphRunner: the engine's graphs, or with speculation its decode_graphs
+        (None under the fixed policy, which never runs a plain decode step)."""
+        eng = self.engine
+        return eng.graphs if eng.spec is None else eng.decode_graphs
 
     @property
     def active(self) -> bool:
         """New decode steps may be overlapped: enabled, and decode graphs exist."""
-        graphs = self.engine.graphs
+        graphs = self.graphs
         return self.enabled and graphs is not None and graphs.phase is Phase.DECODE
 
     def step(self) -> list[RequestOutput]:
@@ -129,8 +149,8 @@ class OverlapScheduler:
             batch = self.engine.scheduler.schedule()
             if batch is None:
                 return []
-            if self.active and self._can_launch(batch.reqs) \
-                    and self.engine.graphs.bucket(batch) is not None:
+            if batch.phase is Phase.DECODE and self.active and self._can_launch(batch.reqs) \
+                    and self.graphs.bucket(batch) is not None:
                 self.inflight = self._launch(batch, None)
                 return []
             return self.engine.run_batch(batch)
@@ -157,9 +177,11 @@ class OverlapScheduler:
         reqs = [r for r in sched.running if not finishes_by_length(r)]
         if not reqs:
             return None
+        if sched.choose_drafts is not None and sched.choose_drafts(reqs) > 0:
+            return None  # the policy wants a verify step: it runs synchronously
         starts = [r.device_len + r.ahead for r in reqs]
         batch = Batch(Phase.DECODE, reqs, [1] * len(reqs))
-        if self.engine.graphs.bucket(batch, starts) is None:
+        if self.graphs.bucket(batch, starts) is None:
             return None
         for req, start in zip(reqs, starts):  # within what admission reserved
             sched.ensure_pages(req, start + 1)
@@ -168,8 +190,10 @@ class OverlapScheduler:
 
     def _launch(self, batch: Batch, device_tokens: DeviceTokens | None) -> InFlight:
         """Replay `batch`'s graph, sample on the device and start the copy of the tokens."""
-        eng = self.engine
-        out = eng.graphs.forward(batch, device_tokens=device_tokens)
+        eng, spec = self.engine, self.engine.spec
+        launched_at = time.perf_counter()
+        keep_hidden = spec is not None and spec.wants_hidden
+        out = self.graphs.forward(batch, keep_hidden, device_tokens=device_tokens)
         assert out is not None, "the caller checked the bucket"
         rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.sample_seed, ahead=r.ahead)
                 for r in batch.reqs]
@@ -177,6 +201,8 @@ class OverlapScheduler:
         tokens = sample(out.logits, st, out.greedy)
         for req in batch.reqs:
             req.launch_ahead()
+        if spec is not None:  # every row is ahead of the host now (see the module doc)
+            spec.on_forward(batch, out.hidden)
         host, event = self._buffers(batch.size)
         host.copy_(tokens, non_blocking=event is not None)
         if event is not None:
@@ -184,7 +210,7 @@ class OverlapScheduler:
         self.launched_steps += 1
         self.launched_rows += batch.size
         self.overlapped_steps += device_tokens is not None
-        return InFlight(batch, tokens, host, event)
+        return InFlight(batch, tokens, host, event, launched_at)
 
     def _buffers(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The next of the two pinned token buffers ([:n]) and its event. A buffer is written
@@ -216,6 +242,10 @@ class OverlapScheduler:
         sampled = {r.rid: [t] for r, t in zip(batch.reqs, tokens) if not r.finished}
         eng.scheduler.process(batch, sampled)
         eng.num_steps += 1
+        now = time.perf_counter()
+        if eng.policy is not None:  # this step's period: its cost beside a verify step's
+            eng.policy.on_step(0, batch.size, now - max(prev.launched_at, self._landed_at))
+        self._landed_at = now
         eng.log_step(batch)
         if self.inflight is not None and all(r.finished for r in self.inflight.batch.reqs):
             self.inflight = None  # only discarded rows: nothing will land

@@ -36,7 +36,8 @@ class SpecPolicy(Protocol):
     """What the engine asks before each decode step and tells after it."""
 
     def choose(self, reqs: list[Req]) -> int:
-        """Drafts per request for a decode step of `reqs`: 0 or the configured K."""
+        """Drafts per request for a decode step of `reqs`: 0 or the configured K. Changes no
+        state: overlap scheduling asks ahead of a step and the scheduler asks again."""
 
     def on_step(self, k: int, batch_size: int, seconds: float) -> None:
         """A decode step that ran k drafts for `batch_size` requests took `seconds` (wall)."""

@@ -15,7 +15,9 @@ speculative and is rewritten by the next catch-up).
 With `use_graphs` (the engine's CUDA graphs on) a verify's committed rows are not caught up at
 once: the next verify step's `propose` runs their catch-up and the k drafts as one graph replay
 (spec/mtp/graph.py) and returns the drafts as a device tensor; a plain decode step's row
-waits for it too. Whatever that graph does not cover (a prefill chunk's rows, more than k+1
+waits for it too, and so does every row of a decode step launched ahead of the host (overlap
+scheduling); rows past the last k+1 are caught up eagerly, without a host sync, right before
+the replay. Whatever that graph does not cover (a prefill chunk's rows, more than k+1
 rows left by decode steps, a finished request's last rows when the prefix cache keeps them, a
 batch past the graphs' buckets) runs the eager path here, which gives the same drafts.
 """
@@ -88,7 +90,9 @@ class MTPProposer(Proposer):
             st = self.states.setdefault(req.rid, _ReqState(mtp_len=req.device_len))
             st.pending.append(_Rows(hidden, off, n))
             off += n
-        reqs = batch.reqs
+        # a row launched ahead of the host (overlap scheduling: Req.ahead) waits for the next
+        # verify's proposer, which catches it up: catching up here would wait for the GPU
+        reqs = [r for r in batch.reqs if not r.ahead]
         if self.graphs is not None and batch.phase is Phase.DECODE:
             # a plain decode step runs no proposer: its rows wait for the next verify's graph,
             # unless that would leave more than k+1 rows to catch up (then all known rows now)
@@ -155,14 +159,16 @@ class MTPProposer(Proposer):
             drafts[live[j]].extend(row)
         return drafts
 
-    def _catch_up(self, reqs: list[Req]) -> None:
-        """Run the head over each request's positions [mtp_len, len(all_ids) - 1)."""
+    def _catch_up(self, reqs: list[Req], keep: int = 0) -> None:
+        """Run the head over each request's positions [mtp_len, len(all_ids) - 1 - keep).
+        keep > 0 leaves the last `keep` known rows pending for the graph step and computes no
+        first draft (no host synchronisation)."""
         todo, starts, lens, ids, hid = [], [], [], [], []
         for req in reqs:
             st = self.states.get(req.rid)
             if st is None or not st.pending:
                 continue
-            n = min(sum(p.n for p in st.pending), req.num_tokens - 1 - st.mtp_len)
+            n = min(sum(p.n for p in st.pending), req.num_tokens - 1 - st.mtp_len) - keep
             if n <= 0:
                 continue
             have = torch.cat([p.src[p.start:p.start + p.n] for p in st.pending])
@@ -177,6 +183,11 @@ class MTPProposer(Proposer):
             return
         with torch.inference_mode():
             out = self._run(todo, starts, lens, ids, torch.cat(hid))
+            if keep:
+                for req, start, n in zip(todo, starts, lens):
+                    st = self.states[req.rid]
+                    st.mtp_len, st.first, st.first_at = start + n, None, -1
+                return
             ends = torch.tensor(lens, device=out.device).cumsum(0) - 1
             last = out[ends]
             first = torch.argmax(self.model.compute_logits(last), dim=-1).tolist()
@@ -192,6 +203,12 @@ class MTPProposer(Proposer):
         b = self.graphs.bucket(len(reqs), max(r.device_len for r in reqs))
         if b is None:
             return None
+        # rows left by overlapped decode steps (their catch-up was deferred): all but the last
+        # k+1 through the eager head first, without a host sync
+        excess = [r for r in reqs if r.rid in self.states
+                  and r.device_len - self.states[r.rid].mtp_len > rows]
+        if excess:
+            self._catch_up(excess, keep=rows)
         states = []
         for req in reqs:
             st = self.states.get(req.rid)
