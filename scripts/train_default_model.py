@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-minutes", type=float, default=8.0,
                     help="stop the training loop after this long, then evaluate and save")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                    help="profile steps 6..5+N with torch.profiler, write the op table to "
+                         "OUT/profile.txt and stop (no evaluation, nothing saved)")
     ap.add_argument("--arch", action="append", default=[], metavar="KEY=VALUE",
                     help="override an architecture entry, e.g. --arch hidden_size=64")
     args = ap.parse_args(argv)
@@ -91,6 +94,38 @@ def arch_overrides(items: list[str]) -> dict:
         key, _, value = item.partition("=")
         out[key] = float(value) if any(c in value for c in ".e") else int(value)
     return out
+
+
+PROFILE_AFTER = 5  # steps before --profile-steps starts (allocator and autotuning warm)
+
+
+def start_profiler(device: torch.device) -> torch.profiler.profile:
+    """A started torch.profiler over the CPU and, on CUDA, the device."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=acts)
+    prof.start()
+    return prof
+
+
+def write_profile(prof: torch.profiler.profile, device: torch.device, path: Path, steps: int,
+                  tokens: int, t0: float) -> dict:
+    """Stop `prof` (started at perf_counter `t0`, `steps` steps of `tokens` tokens in all ago),
+    write its op table (by device time on CUDA) to `path`; return the profiled steps' wall
+    seconds per step (profiler overhead included)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    prof.stop()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=50)
+    head = (f"{steps} steps profiled, {wall / steps:.3f} s a step, {tokens / wall:,.0f} "
+            f"tokens/s (profiler on)\n")
+    path.write_text(head + table)
+    print(head + table, flush=True)
+    return {"profile": str(path), "step_s": wall / steps}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -162,6 +197,11 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"out of memory: --micro-batches {args.micro_batches}", flush=True)
                 continue
             step += 1
+            if args.profile_steps and step == PROFILE_AFTER:
+                prof, prof_t0 = start_profiler(device), time.perf_counter()
+            if args.profile_steps and step == PROFILE_AFTER + args.profile_steps:
+                return write_profile(prof, device, out / "profile.txt", args.profile_steps,
+                                     args.profile_steps * tokens_per_step, prof_t0)
             elapsed = time.perf_counter() - t_train
             if step % args.log_every == 0 or step == args.max_steps:
                 log["train"].append({"step": step, "loss": r.loss, "main": r.main, "mtp": r.mtp,

@@ -86,3 +86,23 @@ def test_the_script_trains_two_steps_and_saves_a_folder_transformers_loads(tmp_p
     model = Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     assert model.config.hidden_size == 64 and tok.eos_token_id == 0
+
+
+def test_profile_steps_write_the_op_table_and_stop(tmp_path):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for name in ("argparse.py", "heapq.py", "textwrap.py"):
+        shutil.copyfile(Path(default_stdlib_dir()) / name, lib / name)
+    prepare_corpus(tmp_path / "corpus", lib, held_out_per_10k=4000)
+    spec = importlib.util.spec_from_file_location("train_default_model", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "model"
+    arch = [f"--arch={k}={v}" for k, v in TINY.items()]
+    got = script.main(["--corpus", str(tmp_path / "corpus"), "--out", str(out),
+                       "--max-steps", "50", "--batch-size", "2", "--seq-len", "64",
+                       "--profile-steps", "2", *arch])
+    table = (out / "profile.txt").read_text()
+    assert table.startswith("2 steps profiled") and "aten::mm" in table
+    assert got["step_s"] > 0
+    assert not (out / "model.safetensors").exists()  # stopped before training ended
