@@ -60,10 +60,10 @@ def test_batches_cover_every_window_once_per_epoch_and_the_schedule_warms_then_d
     assert math.isclose(lr_at(100, 100, 1.0, 10, 0.1), 0.1)
 
 
-def test_the_script_trains_two_steps_and_saves_a_folder_transformers_loads(tmp_path):
-    from transformers import AutoTokenizer, Qwen3_5ForCausalLM
-
-    lib = tmp_path / "lib"  # a few real stdlib files keep the run small
+def tiny_run(tmp_path: Path):
+    """(the training script as a module, --arch flags of the tiny model), with a corpus of a
+    few real stdlib files (small and fast) prepared in tmp_path / "corpus"."""
+    lib = tmp_path / "lib"
     lib.mkdir()
     for name in ("argparse.py", "bisect.py", "colorsys.py", "heapq.py", "textwrap.py"):
         shutil.copyfile(Path(default_stdlib_dir()) / name, lib / name)
@@ -71,8 +71,14 @@ def test_the_script_trains_two_steps_and_saves_a_folder_transformers_loads(tmp_p
     spec = importlib.util.spec_from_file_location("train_default_model", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script, [f"--arch={k}={v}" for k, v in TINY.items()]
+
+
+def test_the_script_trains_two_steps_and_saves_a_folder_transformers_loads(tmp_path):
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM
+
+    script, arch = tiny_run(tmp_path)
     out = tmp_path / "model"
-    arch = [f"--arch={k}={v}" for k, v in TINY.items()]
     final = script.main([
         "--corpus", str(tmp_path / "corpus"), "--out", str(out), "--max-steps", "2",
         "--batch-size", "2", "--seq-len", "64", "--warmup", "1", "--eval-tokens", "256", *arch,
@@ -89,16 +95,8 @@ def test_the_script_trains_two_steps_and_saves_a_folder_transformers_loads(tmp_p
 
 
 def test_profile_steps_write_the_op_table_and_stop(tmp_path):
-    lib = tmp_path / "lib"
-    lib.mkdir()
-    for name in ("argparse.py", "heapq.py", "textwrap.py"):
-        shutil.copyfile(Path(default_stdlib_dir()) / name, lib / name)
-    prepare_corpus(tmp_path / "corpus", lib, held_out_per_10k=4000)
-    spec = importlib.util.spec_from_file_location("train_default_model", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script, arch = tiny_run(tmp_path)
     out = tmp_path / "model"
-    arch = [f"--arch={k}={v}" for k, v in TINY.items()]
     got = script.main(["--corpus", str(tmp_path / "corpus"), "--out", str(out),
                        "--max-steps", "50", "--batch-size", "2", "--seq-len", "64",
                        "--profile-steps", "2", *arch])
