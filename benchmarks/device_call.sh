@@ -40,4 +40,8 @@ has spec && TAILN=14 run spec ${SPEC_T:-150} python3 benchmarks/bench_spec.py --
 # fla-core's kernels yet), then TTFT-256 / 8k prefill beside kernels per forward
 has prefilltest && TAILN=12 run prefilltest ${PREFILLTEST_T:-400} python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/ops/test_gdn_prefill_gpu.py tests/ops/test_conv_qkv_gpu.py tests/engine/test_gpu_prefill_attention.py tests/engine/test_gpu_prefill.py
 has prefill && TAILN=10 run prefill ${PREFILL_T:-240} python3 benchmarks/bench_prefill.py --compare --out "$OUT/prefill.json"
+# the bf16 MoE test's first token: each ops module's kernels off in turn beside the fp32 oracle
+has bisect && TAILN=14 run bisect 240 python3 scripts/bisect_ops.py --tiny qwen3_5_moe_text --seed 4 --dtype bfloat16 --prompt-len 100 --prompt-seed 7 --out "$OUT/bisect.json"
+# issue 33: where the retraining's step time goes (a stdlib-only corpus made on the machine)
+has trainprof && TAILN=40 run trainprof ${TRAINPROF_T:-240} python3 scripts/train_default_model.py --out "$OUT/trainprof" --corpus /tmp/corpus --no-extra --profile-steps 3 --arch hidden_size=384 --arch linear_num_key_heads=6 --arch linear_num_value_heads=12
 echo "total ${SECONDS}s"
