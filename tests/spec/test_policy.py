@@ -71,18 +71,44 @@ def test_buckets_keep_their_own_costs():
     assert p.choose(one) == 3 and p.choose(many) == 0
 
 
-def test_the_other_kind_runs_once_every_explore_every_steps():
-    p = AdaptivePolicy(3, explore_every=4, smoothing=1.0)
+def run_policy(p: AdaptivePolicy, reqs, steps: int, committed) -> list[int]:
+    """`steps` choose / on_step rounds (verify 3 s, decode 1 s); a verify commits
+    committed(step) tokens per request. Returns the k chosen at each step."""
+    chosen = []
+    for i in range(steps):
+        k = p.choose(reqs)
+        chosen.append(k)
+        p.on_step(k, len(reqs), 3.0 if k else 1.0)
+        if k:
+            p.on_verify(reqs, [committed(i)] * len(reqs))
+    return chosen
+
+
+def test_probes_that_confirm_the_choice_come_at_doubling_intervals():
+    p = AdaptivePolicy(3, explore_every=4, max_explore_every=16, smoothing=1.0)
     reqs = [_R(0)]
     fed(p, 1, verify_s=3.0, decode_s=1.0)
     p.on_verify(reqs, [1])
-    chosen = []
-    for _ in range(12):
-        k = p.choose(reqs)
-        chosen.append(k)
-        p.on_step(k, 1, 3.0 if k else 1.0)
-    assert chosen.count(3) == 2 and chosen.count(0) == 10
-    assert [i for i, k in enumerate(chosen) if k] == [4, 10]  # 4 decodes, then 1 verify
+    chosen = run_policy(p, reqs, 50, lambda i: 1)
+    # runs of 4 (the last step of fed() included), 8, 16, 16 decodes, each followed by one
+    # verify that confirms plain decoding
+    assert [i for i, k in enumerate(chosen) if k] == [3, 12, 29, 46]
+
+
+def test_a_probe_that_pays_is_kept_and_the_interval_starts_again():
+    p = AdaptivePolicy(3, explore_every=4, max_explore_every=64, smoothing=1.0)
+    reqs = [_R(0)]
+    fed(p, 1, verify_s=3.0, decode_s=1.0)
+    p.on_verify(reqs, [1])
+    # verifies commit 1 token until step 20, then 4 (the workload turned repetitive)
+    chosen = run_policy(p, reqs, 40, lambda i: 1 if i < 20 else 4)
+    assert [i for i, k in enumerate(chosen) if k][:2] == [3, 12]  # probes back off
+    first = next(i for i in range(20, 40) if chosen[i])  # the first probe after the change
+    assert first == 29  # 16 decodes after the probe at 12
+    # kept: the interval starts again at 4, so plain decoding is probed after 4 verify steps,
+    # and that probe confirms speculation (the interval doubles)
+    assert chosen[first:] == [3, 3, 3, 3, 0, 3, 3, 3, 3, 3, 3]
+    assert p.interval(1) == 8
 
 
 def test_a_new_request_starts_from_the_running_mean_and_release_forgets_it():

@@ -13,8 +13,13 @@ to a decode step at this batch size demands. The costs are the engine's wall tim
 the last few steps of each kind. The first step of each kind in a bucket is not counted (it
 captures a CUDA graph: seconds, not milliseconds, which on the H200 made a median of the first
 two samples pick plain decode for a whole MTP run), and each kind is measured `min_samples`
-times before the policy decides. Both kinds are refreshed every `explore_every` steps of a
-bucket, so the policy notices when a workload turns repetitive (or stops being so).
+times before the policy decides. After a run of `explore_every` steps of one kind in a bucket
+the other kind runs once, to refresh its cost and the acceptance, so the policy notices when a
+workload turns repetitive (or stops being so). Each such probe costs: a verify that does not
+pay, or, under overlap scheduling, a drained pipeline and the MTP catch-up of the rows the
+plain steps left. So when a probe only confirms the choice (one step of the other kind, then
+back), the run before the next one doubles, up to `max_explore_every`; when the policy keeps
+the probed kind, it starts again from `explore_every`.
 """
 
 from __future__ import annotations
@@ -71,24 +76,28 @@ class FixedPolicy:
 class AdaptivePolicy:
     """Speculate iff mean acceptance length >= verify cost / decode cost (see module doc).
 
-    k: the configured K (>= 1). window: steps per cost median. explore_every: after this many
-    steps of one bucket, the other kind runs once. smoothing: weight of the newest verify in
-    a request's acceptance length (an exponential moving average). prior: the acceptance
-    length assumed for a request before its first verify (the running mean over finished
-    verifies once there is one).
+    k: the configured K (>= 1). window: steps per cost median. explore_every: after a run of
+    this many steps of one kind in a bucket, the other kind runs once; max_explore_every: the
+    longest run between such probes once they keep confirming the choice (see module doc).
+    smoothing: weight of the newest verify in a request's acceptance length (an exponential
+    moving average). prior: the acceptance length assumed for a request before its first
+    verify (the running mean over finished verifies once there is one).
     """
 
     def __init__(self, k: int, window: int = 8, explore_every: int = 32,
                  smoothing: float = 0.3, prior: float | None = None,
-                 min_samples: int = 2) -> None:
+                 min_samples: int = 2, max_explore_every: int = 512) -> None:
         if k < 1:
             raise ValueError("the adaptive policy needs k >= 1 drafts")
         self.k, self.window, self.explore_every = k, window, explore_every
+        self.max_explore_every = max(max_explore_every, explore_every)
         self.smoothing, self.min_samples = smoothing, min_samples
         self._seen: set[tuple[int, int]] = set()  # (bucket, k) whose warm-up step was dropped
         self.prior = prior if prior is not None else 1.0 + k / 2
         self._costs: dict[tuple[int, int], deque[float]] = {}
-        self._since_other: dict[int, int] = {}
+        self._run: dict[int, int] = {}  # steps of the last kind in a row, per bucket
+        self._interval: dict[int, int] = {}  # run length that triggers a probe, per bucket
+        self._probing: dict[int, bool] = {}  # the current run began with a probe
         self._last: dict[int, int] = {}
         self._accept: dict[int, float] = {}  # rid -> acceptance length (EMA)
         self._global = self.prior
@@ -109,19 +118,30 @@ class AdaptivePolicy:
         verify, decode = self.cost(self.k, len(reqs)), self.cost(0, len(reqs))
         mean_len = sum(self.acceptance(r) for r in reqs) / len(reqs)
         best = self.k if mean_len * decode >= verify else 0
-        if self._since_other.get(b, 0) >= self.explore_every:
+        if self._last.get(b) == best and self._run.get(b, 0) >= self.interval(b):
             return self.k - best  # the other kind, once, to refresh its cost and acceptance
         return best
+
+    def interval(self, b: int) -> int:
+        """The run of one kind after which bucket b's next step probes the other kind."""
+        return self._interval.get(b, self.explore_every)
 
     def on_step(self, k: int, batch_size: int, seconds: float) -> None:
         b = batch_bucket(batch_size)
         if (b, k) in self._seen:
             self._costs.setdefault((b, k), deque(maxlen=self.window)).append(seconds)
         self._seen.add((b, k))
-        if k == self._last.get(b, k):
-            self._since_other[b] = self._since_other.get(b, 0) + 1
+        run = self._run.get(b, 0)
+        if b in self._last and k != self._last[b]:
+            if self._probing.get(b) and run == 1:  # a probe, then back: it confirmed the choice
+                self._interval[b] = min(2 * self.interval(b), self.max_explore_every)
+            self._probing[b] = run >= self.interval(b)
+            self._run[b] = 1
         else:
-            self._since_other[b] = 0
+            self._run[b] = run + 1
+            if self._probing.get(b) and run + 1 == 2:  # the probed kind was kept
+                self._interval[b] = self.explore_every
+                self._probing[b] = False
         self._last[b] = k
 
     def on_verify(self, reqs: list[Req], committed: list[int]) -> None:
