@@ -44,4 +44,6 @@ has prefill && TAILN=10 run prefill ${PREFILL_T:-240} python3 benchmarks/bench_p
 has bisect && TAILN=14 run bisect 240 python3 scripts/bisect_ops.py --tiny qwen3_5_moe_text --seed 4 --dtype bfloat16 --prompt-len 100 --prompt-seed 7 --out "$OUT/bisect.json"
 # issue 33: where the retraining's step time goes (a stdlib-only corpus made on the machine)
 has trainprof && TAILN=40 run trainprof ${TRAINPROF_T:-240} python3 scripts/train_default_model.py --out "$OUT/trainprof" --corpus /tmp/corpus --no-extra --profile-steps 3 --arch hidden_size=384 --arch linear_num_key_heads=6 --arch linear_num_value_heads=12
+# the same with the training forward compiled by inductor (after trainprof: the corpus exists)
+has trainprofc && TAILN=40 run trainprofc ${TRAINPROF_T:-400} python3 scripts/train_default_model.py --out "$OUT/trainprofc" --corpus /tmp/corpus --no-extra --profile-steps 3 --compile inductor --arch hidden_size=384 --arch linear_num_key_heads=6 --arch linear_num_value_heads=12
 echo "total ${SECONDS}s"

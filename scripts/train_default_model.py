@@ -77,6 +77,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-minutes", type=float, default=8.0,
                     help="stop the training loop after this long, then evaluate and save")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--compile", default="none", metavar="BACKEND",
+                    help="torch.compile the training forward (and so its backward) with this "
+                         "backend: inductor fuses the elementwise work of the torch GDN chunk "
+                         "rule, norms and gates (a cold compile: minutes); eager only traces "
+                         "(tests); none: eager PyTorch")
     ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="profile steps 6..5+N with torch.profiler, write the op table to "
                          "OUT/profile.txt and stop (no evaluation, nothing saved)")
@@ -161,6 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
     counts = model.param_counts()
     print(f"model: {counts['model'] / 1e6:.2f} M params + MTP {counts['mtp'] / 1e6:.2f} M, "
           f"device {device}, autocast {autocast}", flush=True)
+    if args.compile != "none":  # the bound method: parameter names (the export) unchanged
+        model.forward = torch.compile(model.forward, backend=args.compile)
     opt = make_optimizer(model, args.lr, args.weight_decay)
     batches = train_batches(train_ids, args.batch_size, args.seq_len, args.seed)
     eval_kw = dict(seq_len=args.seq_len, batch_size=args.batch_size, mtp_steps=args.mtp_steps,

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from deltaserve.default_model.config import default_text_config
 from deltaserve.default_model.corpus import default_stdlib_dir, prepare_corpus
+from deltaserve.default_model.gdn_chunked import chunk_gated_delta_rule_torch
 from deltaserve.default_model.hf_reference import torch_gdn_reference
 from deltaserve.default_model.training import (
     TrainModel,
@@ -94,12 +95,30 @@ def test_the_script_trains_two_steps_and_saves_a_folder_transformers_loads(tmp_p
     assert model.config.hidden_size == 64 and tok.eos_token_id == 0
 
 
+def test_compiled_forward_traces_without_graph_breaks_and_matches_eager():
+    """--compile: dynamo captures the whole training forward (GDN chunk rule, MTP steps) as
+    one graph, and the traced step's losses equal the eager ones (backend "eager": tracing
+    only, no code generation, so the test stays fast on a CPU)."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = TrainModel(default_text_config(**TINY))
+    batch = torch.randint(0, 8000, (2, 96), generator=torch.Generator().manual_seed(1))
+    with torch_gdn_reference(chunk_fn=chunk_gated_delta_rule_torch), torch.no_grad():
+        want = model(batch, 3)
+        explained = torch._dynamo.explain(model.forward)(batch, 3)
+        got = torch.compile(model.forward, backend="eager")(batch, 3)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    for a, b in zip([want[0], *want[1]], [got[0], *got[1]]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_profile_steps_write_the_op_table_and_stop(tmp_path):
     script, arch = tiny_run(tmp_path)
     out = tmp_path / "model"
     got = script.main(["--corpus", str(tmp_path / "corpus"), "--out", str(out),
                        "--max-steps", "50", "--batch-size", "2", "--seq-len", "64",
-                       "--profile-steps", "2", *arch])
+                       "--profile-steps", "2", "--compile", "eager", *arch])
     table = (out / "profile.txt").read_text()
     assert table.startswith("2 steps profiled") and "aten::mm" in table
     assert got["step_s"] > 0
