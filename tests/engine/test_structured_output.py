@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import jsonschema
+import torch
 import pytest
 
 from deltaserve import LLM, SamplingParams
@@ -83,3 +84,78 @@ def test_a_bad_schema_is_a_value_error_and_the_engine_keeps_serving(tiny):
     out = llm.generate([[1, 2]], SamplingParams(temperature=0.0, max_tokens=3,
                                                 ignore_eos=True))[0]
     assert len(out.token_ids) == 3
+
+
+def nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("spec, match", [
+    (GrammarSpec("json_schema", json.dumps({"not": {"type": "string"}})), "uses 'not'"),
+    (GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {
+        "a": {"if": {"type": "integer"}, "then": {"minimum": 5}}}})), "uses 'if'"),
+    (GrammarSpec("json_schema", json.dumps({"type": "array", "items": {
+        "allOf": [{"type": "integer"}, {"minimum": 5}]}})), "'allOf' with more than one"),
+    (GrammarSpec("json_schema", json.dumps({"type": "array", "contains": {"const": 1}})),
+     "uses 'contains'"),
+    (GrammarSpec("regex", "[^\\x00-\\U0010FFFF]"), "matches no output"),
+    (GrammarSpec("regex", "a" * 70_000), "at most 65536"),
+    (GrammarSpec("json_schema", json.dumps(nested(70))), "nests more than 64"),
+])
+def test_grammars_it_cannot_hold_the_output_to_are_refused(tiny, spec, match):
+    """Keywords xgrammar accepts but does not enforce (a violating output would pass), a
+    grammar no output matches, an oversized source: a ValueError before any request runs."""
+    llm = make_llm(tiny, None)
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=4, structured=spec))
+    llm.engine.check_integrity()
+
+
+def test_keyword_names_as_property_names_and_one_allof_subschema_are_accepted(tiny):
+    schema = {"type": "object", "properties": {"not": {"type": "integer"},
+                                               "if": {"allOf": [{"type": "boolean"}]}},
+              "required": ["not", "if"], "additionalProperties": False}
+    llm = make_llm(tiny, None)
+    (out,) = llm.generate([[1, 2, 3]], SamplingParams(
+        temperature=0.0, max_tokens=40, structured=GrammarSpec("json_schema",
+                                                               json.dumps(schema))))
+    assert out.text.startswith('{"not":'), out.text  # the random model may not finish
+    if out.finish_reason == "stop":
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_a_precompiled_grammar_is_not_compiled_again_and_is_not_pickled(tiny):
+    import pickle
+
+    llm = make_llm(tiny, None)
+    backend = llm.engine.grammar
+    spec = GrammarSpec("regex", "(yes|no)")
+    compiled = backend.compile(spec)
+    assert backend.compiler.cache_limit_bytes == 256 * 1024 * 1024  # not xgrammar's unbounded
+    ready = GrammarSpec("regex", "(yes|no)", compiled=compiled)
+    backend.compile = None  # the engine must not compile it again
+    (out,) = llm.generate([[4, 5]], SamplingParams(temperature=0.0, max_tokens=8,
+                                                   structured=ready))
+    assert out.text in ("yes", "no")
+    assert ready == spec and pickle.loads(pickle.dumps(ready)).compiled is None
+
+
+def test_a_dead_end_row_may_only_sample_the_stop_token(tiny):
+    """A grammar state that allows no token (not visible at compile time) ends the output with
+    a stop token instead of an arbitrary one that breaks the grammar."""
+    llm = make_llm(tiny, None)
+    backend = llm.engine.grammar
+    bitmask = torch.zeros(2, (backend.vocab_size + 31) // 32, dtype=torch.int32)
+    bitmask[1, 0] = 5  # row 1 allows tokens 0 and 2
+
+    class _Owner:
+        rid = 7
+
+    backend._end_dead_rows(bitmask, [0, 1], [_Owner(), _Owner()])
+    stop = backend.stop_ids[0]
+    allowed0 = [t for t in range(backend.vocab_size)
+                if int(bitmask[0, t // 32]) >> (t % 32) & 1]
+    assert allowed0 == [stop] and int(bitmask[1, 0]) == 5

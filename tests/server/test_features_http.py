@@ -141,6 +141,15 @@ def test_json_object_and_bad_schemas(oai, served):
         oai.completions.create(model=served.model, prompt="x",
                                extra_body={"guided_regex": "(unclosed"})
     assert e.value.body["param"] == "guided_regex"
+    # refused before any compile: too large, not enforceable, matching nothing
+    refused = [({"guided_json": {"type": "string", "pattern": "a" * 70_000}}, "guided_json",
+                "at most"),
+               ({"guided_json": {"not": {}}}, "guided_json", "'not'"),
+               ({"guided_regex": "[^\\x00-\\U0010FFFF]"}, "guided_regex", "matches no")]
+    for extra, param, says in refused:
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.completions.create(model=served.model, prompt="x", extra_body=extra)
+        assert e.value.body["param"] == param and says in e.value.body["message"], extra
 
 
 def test_best_of_returns_the_sample_of_highest_summed_logprob(oai, served):

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -33,13 +33,37 @@ logger = logging.getLogger("deltaserve.engine")
 GrammarKind = Literal["json_object", "json_schema", "regex"]
 
 
+# A grammar's source at most this long: xgrammar compiles in time and memory that grow with it
+# (a 173 KB schema of 2,400 patterned strings took 22-38 s and 400 MB), and a compile cannot
+# be interrupted; OpenAI bounds a schema's strings at 120,000 characters in all.
+MAX_GRAMMAR_CHARS = 64 * 1024
+# xgrammar's cache of compiled grammars (it keeps every one by default: unbounded memory)
+GRAMMAR_CACHE_BYTES = 256 * 1024 * 1024
+# JSON-schema keywords xgrammar 0.2 accepts but does not enforce (a violating output passes):
+# refused, so that no output silently breaks its schema. allOf is refused with more than one
+# subschema (xgrammar keeps only part of the conjunction).
+UNENFORCED_KEYWORDS = ("not", "contains", "minContains", "maxContains", "if", "then", "else")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = ("items", "prefixItems", "additionalItems", "additionalProperties", "anyOf",
+               "oneOf", "allOf", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+MAX_SCHEMA_DEPTH = 64
+
+
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """What the output must match: any JSON object ("json_object"), a JSON schema (`value`: the
-    schema as a JSON string) or a regular expression (`value`: the pattern)."""
+    schema as a JSON string) or a regular expression (`value`: the pattern). `compiled`: the
+    grammar already compiled for this engine's tokenizer (GrammarBackend.compile; the server
+    compiles off the engine thread), not part of equality."""
 
     kind: GrammarKind
     value: str | None = None
+    compiled: Any = field(default=None, compare=False, repr=False)
+
+    def __reduce__(self):
+        # a compiled grammar belongs to this process's compiler: another process (a tensor
+        # parallel worker) compiles the source again
+        return (GrammarSpec, (self.kind, self.value))
 
 
 class GrammarBackend:
@@ -57,24 +81,49 @@ class GrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_ids))
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.stop_ids = sorted(stop_ids)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1,
+                                            cache_limit_bytes=GRAMMAR_CACHE_BYTES)
 
-    def matcher(self, spec: GrammarSpec):
-        """A fresh matcher for `spec`. Raises ValueError naming what is wrong with it."""
+    def compile(self, spec: GrammarSpec):
+        """`spec` compiled for this tokenizer (xgrammar's CompiledGrammar; a cache hit for a
+        spec compiled before). Raises ValueError, message starting "structured output", for
+        a source over MAX_GRAMMAR_CHARS, a schema keyword that would not be enforced, a grammar
+        that cannot be compiled or one that no output can match."""
+        what = f"structured output: the {spec.kind}"
+        if spec.value is not None and len(spec.value) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"{what} is {len(spec.value)} characters; at most "
+                             f"{MAX_GRAMMAR_CHARS} are accepted")
         try:
             if spec.kind in ("json_object", "json_schema"):
                 # json_object is OpenAI's "any JSON object" (the builtin JSON grammar also
                 # takes arrays); compact JSON: free whitespace lets a weak model pad for ever
                 schema = spec.value if spec.kind == "json_schema" else '{"type": "object"}'
-                json.loads(schema or "")
+                unenforced = _unenforced(json.loads(schema or ""))
+                if unenforced:
+                    raise ValueError(f"{what} uses {unenforced}, which the grammar cannot "
+                                     f"enforce (the output would not be held to it)")
                 compiled = self.compiler.compile_json_schema(schema, any_whitespace=False)
             elif spec.kind == "regex":
                 compiled = self.compiler.compile_regex(spec.value or "")
             else:
                 raise ValueError(f"unknown grammar kind {spec.kind!r}")
+        except ValueError as e:
+            if str(e).startswith(what):
+                raise
+            raise ValueError(f"{what} cannot be compiled: {e}") from e
         except Exception as e:  # xgrammar raises RuntimeError / its own errors on bad input
-            raise ValueError(f"structured output: the {spec.kind} cannot be compiled: {e}") \
-                from e
+            raise ValueError(f"{what} cannot be compiled: {e}") from e
+        first = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(first, 0)
+        if not bool(first.any()):
+            raise ValueError(f"{what} matches no output (no token can start one)")
+        return compiled
+
+    def matcher(self, spec: GrammarSpec):
+        """A fresh matcher for `spec` (compiled here unless spec.compiled is set). Raises
+        ValueError as `compile`."""
+        compiled = spec.compiled if spec.compiled is not None else self.compile(spec)
         return self._xgr.GrammarMatcher(compiled)  # 0.2.x: rollback is unbounded
 
     def mask(self, batch: Batch, logits: torch.Tensor, owners: list[Req]) -> None:
@@ -96,7 +145,21 @@ class GrammarBackend:
                 if _live(req):
                     req.grammar.fill_next_token_bitmask(bitmask, i)
                     rows.append(i)
+        self._end_dead_rows(bitmask, rows, owners)
         apply_token_bitmask(logits, bitmask, rows)
+
+    def _end_dead_rows(self, bitmask: torch.Tensor, rows: list[int], owners: list[Req]) -> None:
+        """A row whose grammar allows no token (a dead end the compile-time check cannot
+        see) may only sample the first stop token, so the output ends there instead of
+        with a token that breaks the grammar."""
+        dead = [i for i in rows if not bool(bitmask[i].any())]
+        if not dead or not self.stop_ids:
+            return
+        word, bit = divmod(self.stop_ids[0], 32)
+        for i in dead:
+            logger.warning("request %d: its grammar allows no token here; the output ends "
+                           "with a stop token", owners[i].rid)
+            bitmask[i, word] = -(1 << 31) if bit == 31 else 1 << bit
 
     @staticmethod
     def _fill_verify(matcher, bitmask: torch.Tensor, base: int, drafts: list[int]) -> list[int]:
@@ -128,3 +191,30 @@ class GrammarBackend:
 
 def _live(req: Req) -> bool:
     return req.grammar is not None and not req.finished and not req.grammar.is_terminated()
+
+
+def _unenforced(schema: Any, depth: int = 0) -> str | None:
+    """The first keyword of a JSON schema (and its subschemas) that xgrammar would not
+    enforce, named for the error message, or None. Property names are not keywords."""
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"structured output: the json_schema nests more than "
+                         f"{MAX_SCHEMA_DEPTH} levels")
+    if isinstance(schema, list):
+        return next((u for s in schema if (u := _unenforced(s, depth + 1))), None)
+    if not isinstance(schema, dict):
+        return None
+    for key in UNENFORCED_KEYWORDS:
+        if key in schema:
+            return f"'{key}'"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return "'allOf' with more than one subschema"
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            found = _unenforced(list(value.values()), depth + 1)
+        elif key in _SUBSCHEMAS:
+            found = _unenforced(value, depth + 1)
+        else:
+            continue
+        if found:
+            return found
+    return None

@@ -15,7 +15,7 @@ import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -95,6 +95,7 @@ class AsyncEngine:
         self.failure: str | None = None  # why the loop stopped on its own (set once)
         self._rids = itertools.count(1)
         self._grammar_lock = threading.Lock()
+        self._compile_slot: asyncio.Semaphore | None = None  # made on the loop: one compile
         self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
         self._thread.start()
 
@@ -133,17 +134,24 @@ class AsyncEngine:
         await self._submit(add)
         return streams
 
-    async def prepare_grammar(self, spec: GrammarSpec) -> None:
-        """Compile `spec` off the loop thread, so that the engine's own compile when the
-        request is added is a hit in xgrammar's cache and no stream stalls on it (the first
-        call also builds the backend, which reads the whole vocabulary). Raises ValueError
-        for a grammar that cannot be compiled."""
-        def compile_once() -> None:
+    async def prepare_grammar(self, spec: GrammarSpec) -> GrammarSpec:
+        """`spec` with its grammar compiled (GrammarSpec.compiled), compiled off the loop
+        thread and the engine thread, one grammar at a time (a compile cannot be interrupted:
+        hostile schemas queue behind each other on one core instead of taking them all; a
+        request cancelled while it waits compiles nothing). The first call also builds the
+        backend, which reads the whole vocabulary. Raises ValueError for a grammar that is
+        refused or cannot be compiled (GrammarBackend.compile)."""
+        if self._compile_slot is None:
+            self._compile_slot = asyncio.Semaphore(1)
+
+        def compile_once():
             with self._grammar_lock:  # one thread builds the backend
                 backend = self.engine.grammar
-            backend.matcher(spec)
+            return backend.compile(spec)
 
-        await asyncio.to_thread(compile_once)
+        async with self._compile_slot:
+            compiled = await asyncio.to_thread(compile_once)
+        return replace(spec, compiled=compiled)
 
     async def generate(self, prompt_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:

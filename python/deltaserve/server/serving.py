@@ -180,7 +180,8 @@ class OpenAIServing:
         params, spec_param = self._params(body, prompt_ids, prompt_param, default_max_tokens)
         try:
             if params[0].structured is not None:
-                await self.engine.prepare_grammar(params[0].structured)
+                spec = await self.engine.prepare_grammar(params[0].structured)
+                params = [replace(p, structured=spec) for p in params]
             if len(params) == 1:
                 streams = [await self.engine.add(prompt_ids, params[0])]
             else:
