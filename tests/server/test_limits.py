@@ -174,3 +174,55 @@ def test_a_refused_body_is_drained_only_within_its_byte_and_time_bounds(monkeypa
         return {"type": "http.request", "body": b"tail", "more_body": False}
 
     asyncio.run(limits._drain(last))  # the body's end ends the drain
+
+
+def _stalled():  # part of the body, then nothing
+    yield b"{"
+    yield None
+
+
+def _trickle():  # a byte every 10 ms, for ever
+    while True:
+        yield b" "
+
+
+def _slow():  # 20 bytes 10 ms apart, then the end
+    yield b"{"
+    for _ in range(20):
+        yield b" "
+    yield b"}"
+
+
+@pytest.mark.parametrize("client, want", [(_stalled, 408), (_trickle, 408), (_slow, 200)])
+def test_a_body_that_stops_arriving_gets_408_and_a_slow_one_gets_through(monkeypatch, client,
+                                                                         want):
+    """Idle bound 0.2 s (the stalled client), total bound 0.5 s (the trickle); a client 10 ms
+    between chunks that finishes in time is passed on whole."""
+    import asyncio
+
+    from deltaserve.server import limits
+
+    monkeypatch.setattr(limits, "BODY_IDLE_SECONDS", 0.2)
+    monkeypatch.setattr(limits, "BODY_MAX_SECONDS", 0.5)
+    parts, sent = client(), []
+
+    async def receive():
+        part = next(parts)
+        if part is None:
+            await asyncio.sleep(3600)
+        await asyncio.sleep(0.01)
+        return {"type": "http.request", "body": part, "more_body": part != b"}"}
+
+    async def send(message):
+        sent.append(message)
+
+    async def app(scope, receive, send):
+        assert (await receive())["body"] == b"{" + b" " * 20 + b"}"
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    asyncio.run(asyncio.wait_for(limits.BodyLimit(app, 1 << 20)(scope, receive, send), 30))
+    assert sent[0]["status"] == want
+    if want == 408:
+        assert (b"connection", b"close") in sent[0]["headers"]

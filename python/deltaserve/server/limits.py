@@ -28,6 +28,11 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 # 2-core machine with a 60 MB body). Nothing read is kept.
 DRAIN_MAX_BYTES = 64 * 1024 * 1024
 DRAIN_MAX_SECONDS = 1.0
+# A body that stops arriving (a client that sends part of it and waits: slowloris) gets 408
+# after this long without a byte, or once the whole body has taken BODY_MAX_SECONDS (a 16 MiB
+# body at 1 MB/s takes 16 s); the connection is closed, so it holds nothing.
+BODY_IDLE_SECONDS = 30.0
+BODY_MAX_SECONDS = 300.0
 # per-field caps (400 past them): each entry is looked at for every sampled token or rendered
 # into the prompt, so one request with millions of them stalls every stream in the batch.
 # 2048 messages is OpenAI's own limit; no vocabulary needs more stop ids or bias entries.
@@ -78,6 +83,7 @@ class BodyLimit:
     the body; otherwise the body is read here (as the route would: FastAPI buffers it whole),
     counted as it arrives and refused at the first chunk past the cap, then replayed to the
     route. After the body the route's receive is the server's (it waits for a disconnect).
+    A body that stops arriving gets 408 (BODY_IDLE_SECONDS, BODY_MAX_SECONDS).
     A refusal first drops what the client is still sending, within DRAIN_MAX_BYTES and
     DRAIN_MAX_SECONDS (not when it waits for 100-continue)."""
 
@@ -95,8 +101,14 @@ class BodyLimit:
             await self._refuse(scope, receive, send, declared)
             return
         chunks, seen = [], 0
+        deadline = time.monotonic() + BODY_MAX_SECONDS
         while True:
-            message = await receive()
+            wait = min(BODY_IDLE_SECONDS, deadline - time.monotonic())
+            try:
+                message = await asyncio.wait_for(receive(), max(wait, 0.0))
+            except asyncio.TimeoutError:
+                await _timed_out(scope, receive, send, seen)
+                return
             if message["type"] != "http.request":  # the client left while sending
                 return
             chunks.append(message.get("body", b""))
@@ -133,6 +145,17 @@ class BodyLimit:
                  "bytes (--max-request-bytes)", code="request_too_large",
             headers={"Connection": "close"})
         await response(scope, receive, send)
+
+
+async def _timed_out(scope: Scope, receive: Receive, send: Send, seen: int) -> None:
+    logger.info("%s %s -> 408: %d body bytes, then nothing for %g s (or %g s in all)",
+                scope.get("method"), scope.get("path"), seen, BODY_IDLE_SECONDS,
+                BODY_MAX_SECONDS)
+    response = error_response(
+        408, f"the request body stopped arriving after {seen} bytes (at most "
+             f"{BODY_IDLE_SECONDS:g} s between bytes and {BODY_MAX_SECONDS:g} s in all)",
+        code="request_timeout", headers={"Connection": "close"})
+    await response(scope, receive, send)
 
 
 async def _drain(receive: Receive) -> None:
