@@ -88,6 +88,17 @@ def test_unsupported_fields_are_refused_not_ignored(body, param):
     assert e.value.param == param
 
 
+@pytest.mark.parametrize("choice, says", [
+    ("required", "forcing a call"),
+    ({"type": "function", "function": {"name": "f"}}, "forcing a call"),
+    ("bogus", 'got "bogus"'),  # not a forced call: named as what it is
+    ({"type": "tool"}, 'got {"type": "tool"}'),
+])
+def test_a_refused_tool_choice_says_why(choice, says):
+    with pytest.raises(InvalidRequest, match=says):
+        chat(tool_choice=choice).check_supported()
+
+
 def test_tool_choice_none_and_a_tool_result_message_are_accepted():
     """tool_choice "none" asks for what deltaserve does anyway; a tool message is plain text."""
     chat(tool_choice="none").check_supported()
