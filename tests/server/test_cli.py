@@ -157,6 +157,26 @@ def test_generate_says_when_the_context_length_cuts_max_tokens(tiny_model, capsy
     assert "--max-tokens 100 does not fit the context length 16 for 1 prompt(s)" in err
 
 
+def test_generate_closes_its_engine_on_success_and_on_error(tiny_model, monkeypatch):
+    """A tensor-parallel engine's close() stops its worker processes (left to the interpreter's
+    exit they leaked a semaphore, and Python warned about it)."""
+    import deltaserve.server.cli as cli
+
+    closed, make = [], cli._make_engine
+
+    def recording(args):
+        engine = make(args)
+        engine.close = lambda: closed.append(True)
+        return engine
+
+    monkeypatch.setattr(cli, "_make_engine", recording)
+    base = ["--log-level", "WARNING", "generate", "--model", str(tiny_model), "--device", "cpu"]
+    assert main([*base, "--max-tokens", "2", "hi"]) == 0
+    with pytest.raises(SystemExit, match="context"):  # a prompt over the context length
+        main([*base, "--max-model-len", "16", "x " * 40])
+    assert closed == [True, True]
+
+
 def test_generate_prints_a_completion(tiny_model, capsys):
     code = main(["--log-level", "WARNING", "generate", "--model", str(tiny_model), "--device",
                  "cpu", "--max-tokens", "4", "--ignore-eos", "Hello there"])

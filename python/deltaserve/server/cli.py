@@ -207,6 +207,15 @@ def _generate(args: argparse.Namespace) -> int:
         field, _, rest = str(e).partition(" ")
         raise SystemExit(f"deltaserve: error: {SAMPLING_FLAGS.get(field, field)} {rest}") from e
     engine = _make_engine(args)
+    try:
+        return _run_generate(engine, args, prompts, params)
+    finally:
+        close = getattr(engine, "close", None)  # tensor parallel: stop the worker processes
+        if close is not None:
+            close()
+
+
+def _run_generate(engine, args: argparse.Namespace, prompts: list[str], params) -> int:
     tok = engine.tokenizer
     if tok is None:
         print("deltaserve generate: the model has no tokenizer", file=sys.stderr)
