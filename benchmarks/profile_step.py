@@ -10,6 +10,11 @@ prompt's first token; then torch.profiler's top CPU ops and CUDA kernels of that
     python benchmarks/profile_step.py --vocab 248320 --out profile.txt
     python benchmarks/profile_step.py --model default --out profile_default.txt
     python benchmarks/profile_step.py --vocab 248320 --disable-overlap-schedule  # synchronous
+    python benchmarks/profile_step.py --model default --spec mtp --out profile_mtp.txt
+
+With --spec ALGO (k = 3, fixed policy: every decode step verifies) the decode figures are verify
+steps', and torch.profiler also covers a decode run: the host's time per verify step beside
+the kernels' (issue 30: a verify step cost 3.1 plain steps on the default model).
 
 With overlap scheduling (the default) a decode call launches step n+1 and lands step n, so a
 step's wall time is the longer of the host's and the device's work, not their sum.
@@ -85,7 +90,11 @@ def main() -> None:
     ap.add_argument("--out", default="profile.txt")
     ap.add_argument("--disable-overlap-schedule", action="store_true",
                     help="synchronous decode steps (engine/overlap.py is on by default)")
+    ap.add_argument("--spec", choices=["mtp", "ngram"], default=None,
+                    help="speculative decoding, k = 3, every step a verify (fixed policy)")
     args = ap.parse_args()
+    spec = (dict(speculative_algorithm=args.spec, speculative_num_steps=3,
+                 speculative_policy="fixed") if args.spec else {})
     out = []
 
     def say(s: str) -> None:
@@ -100,7 +109,7 @@ def main() -> None:
             path, _, args.vocab = given_checkpoint(args.model)
         llm = LLM(path, device="cuda", dtype="bfloat16", kv_memory_gb=8.0, page_size=16,
                   chunk_size=8192, max_num_batched_tokens=8192, max_running_reqs=64,
-                  overlap_schedule=not args.disable_overlap_schedule)
+                  overlap_schedule=not args.disable_overlap_schedule, **spec)
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         dec = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
         for b in (1, 32):  # warm-up: graphs, Triton compiles
@@ -138,6 +147,10 @@ def main() -> None:
         llm.engine.flush_cache()
         say("=== cProfile: ttft 256 ===")
         say(cprofile(lambda: llm.generate([prompt(256, args.vocab, 30)], one)))
+        if args.spec:
+            llm.engine.flush_cache()
+            say(f"=== torch.profiler: decode with {args.spec}, batch 1 ===")
+            say(torch_profile(lambda: llm.generate([prompt(128, args.vocab, 401)], dec)))
         llm.engine.flush_cache()
         say("=== torch.profiler: ttft 256 ===")
         say(torch_profile(lambda: llm.generate([prompt(256, args.vocab, 31)], one)))
