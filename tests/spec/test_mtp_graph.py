@@ -169,3 +169,43 @@ def test_drafts_after_overlapped_decode_steps_equal_the_oracle_head(ckpt):
     for seq, drafts in got.items():
         assert drafts[0] == int(oracle_mtp_logits(ckpt, list(seq))[-1].argmax()), len(seq)
     assert_drained(eng)
+
+
+def test_arrivals_a_stop_an_abort_and_sampling_with_overlapped_plain_steps(ckpt):
+    """The mixed workload of test_overlap.py on an MTP engine whose policy puts runs of plain
+    decode steps between verify steps: with overlap scheduling the greedy requests give the
+    synchronous engine's tokens, the stop and the abort leave nothing behind."""
+    from overlap_driver import abort, add, drive, first_new
+    from test_policy import PatternPolicy
+
+    def engine(overlap: bool):
+        eng = make(ckpt, graphs=True, static_target=True, max_graph_reqs=4,
+                   overlap_schedule=overlap).engine
+        eng.decode_graphs = GraphRunner(eng.runner, eng.cfg.max_running_reqs, 1,
+                                        eng.max_model_len, capture=False)
+        policy = PatternPolicy(K, "vvdddddvdd")
+        eng.policy, eng.scheduler.choose_drafts = policy, policy.choose
+        return eng
+
+    greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in (20, 24, 30, 16)]
+    prompts = [tokens(n, seed=n) for n in (5, 40, 70, 17, 90)]
+    (alone,) = drive(engine(False), {0: [add(1, prompts[1], greedy[1])]}).values()
+    stop = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                          stop_token_ids=[alone.tokens[first_new(alone.tokens, 3)]])
+    sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=14, ignore_eos=True)
+    script = {0: [add(0, prompts[0], greedy[0]), add(1, prompts[1], stop),
+                  add(2, prompts[2], sampled), add(3, prompts[3], greedy[2])],
+              5: [add(4, prompts[4], greedy[3])],
+              8: [abort(3)]}
+    sync, over = engine(False), engine(True)
+    want, got = drive(sync, script), drive(over, script)
+    assert over.overlap.overlapped_steps > 3 and over.spec_steps > 0 and sync.overlap is None
+    for rid in (0, 1, 4):
+        assert (got[rid].tokens, got[rid].reason) == (want[rid].tokens, want[rid].reason), rid
+    assert want[1].reason == "stop" and len(want[1].tokens) < 24
+    assert len(got[2].tokens) == len(want[2].tokens) == 14  # sampled: its own draws
+    a, b = sorted((got[3].tokens, want[3].tokens), key=len)  # aborted: one is a prefix
+    assert b[:len(a)] == a and len(b) < 30
+    assert_drained(over)
+    assert_drained(sync)
