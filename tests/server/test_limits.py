@@ -226,3 +226,37 @@ def test_a_body_that_stops_arriving_gets_408_and_a_slow_one_gets_through(monkeyp
     assert sent[0]["status"] == want
     if want == 408:
         assert (b"connection", b"close") in sent[0]["headers"]
+
+
+_PIECES = st.lists(st.sampled_from(["def f(x):\n", "    return x\n", "\n\n", "    ", " ", "\t",
+                                    "é", "漢字", "==", "# note\n", "\r\n", "x" * 30, "🙂"]),
+                   min_size=1, max_size=300)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(_PIECES, st.integers(0, 40))
+def test_counting_in_pieces_never_refuses_a_text_that_fits(served, pieces, under):
+    """Cut into pieces of at most 40 characters (many cuts), a text is said to reach the
+    limit only when its own tokenization does (the HTTP test below shows it is found)."""
+    from unittest import mock
+
+    from deltaserve.server import limits
+
+    tokenizer, text = served.engine.tokenizer, "".join(pieces)
+    n = len(tokenizer.encode(text, add_special_tokens=False))
+    with mock.patch.object(limits, "COUNT_PIECE_CHARS", 40), \
+            mock.patch.object(limits, "COUNT_FIRST_CHARS_PER_TOKEN", 0):
+        for limit in (max(1, n - under), n, n + 1, n + under + 1):
+            if limits.reaches_token_limit(tokenizer, text, limit):
+                assert n >= limit, (limit, n, text)
+
+
+def test_a_prompt_far_over_the_context_is_refused_before_it_is_tokenized_whole(client):
+    # under the character bound (512 x the longest token), over 8 characters a token
+    text = "def f(x):\n    return x + 1\n" * 700  # 19,600 characters, thousands of tokens
+    r = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1})
+    error = assert_openai_error(r, 400, "prompt")
+    assert "counted in pieces" in error["message"]
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": text}], "max_tokens": 1})
+    assert "counted in pieces" in assert_openai_error(r, 400, "messages")["message"]

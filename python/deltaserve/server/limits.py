@@ -68,6 +68,46 @@ def chars_per_token_bound(tokenizer: Any) -> int:
     return max(1, longest) * factor
 
 
+# A text of more than COUNT_FIRST_CHARS_PER_TOKEN characters per token of the context (natural
+# text runs 3-5 characters a token; the character bound above allows up to the longest token,
+# 64 for the default model) is counted in pieces before it is tokenized whole, so a prompt
+# far over the context is refused after tokenizing about a context's worth of it (a 2 M
+# character prompt took 1.6-7 s to tokenize whole, then was refused).
+COUNT_FIRST_CHARS_PER_TOKEN = 8
+COUNT_PIECE_CHARS = 64 * 1024
+# what a cut between two pieces can add to their counts over the text's own: the cut splits
+# the pre-token(s) around it, each piece tokenized alone (a few tokens)
+CUT_SLACK_TOKENS = 8
+
+
+def reaches_token_limit(tokenizer: Any, text: str, limit: int) -> bool:
+    """True when `text` surely tokenizes to `limit` tokens or more: counted in pieces of about
+    COUNT_PIECE_CHARS cut after a newline, stopping as soon as the pieces' count less
+    CUT_SLACK_TOKENS per cut reaches `limit`. False when it does not (the caller tokenizes the
+    text whole), and at once for texts of at most COUNT_FIRST_CHARS_PER_TOKEN * limit
+    characters. `tokenizer`: a transformers tokenizer (its Rust backend when it has one)."""
+    if len(text) <= COUNT_FIRST_CHARS_PER_TOKEN * limit:
+        return False
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        def count(piece: str) -> int:
+            return len(backend.encode(piece, add_special_tokens=False).ids)
+    else:
+        def count(piece: str) -> int:
+            return len(tokenizer.encode(piece, add_special_tokens=False))
+    total, start, pieces = 0, 0, 0
+    while start < len(text):
+        end = min(start + COUNT_PIECE_CHARS, len(text))
+        if end < len(text):
+            newline = text.rfind("\n", start, end)
+            end = newline + 1 if newline > start else end
+        total, pieces = total + count(text[start:end]), pieces + 1
+        if total - CUT_SLACK_TOKENS * (pieces - 1) >= limit:
+            return True
+        start = end
+    return False
+
+
 def _composes_only(normalizer: dict) -> bool:
     """Whether `normalizer` only applies Unicode normal forms (and lowercasing), which shrink a
     text by at most _NORMALIZED_CHARS_PER_CHAR; a Replace or Strip may shrink it without end."""

@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from deltaserve.config import valid_seed
 from deltaserve.core import SamplingParams
 from deltaserve.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from deltaserve.server.limits import chars_per_token_bound
+from deltaserve.server.limits import chars_per_token_bound, reaches_token_limit
 from deltaserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -90,7 +90,19 @@ class OpenAIServing:
         text = prompt if isinstance(prompt, str) else prompt[0]
         self._check_text_size(len(text), "prompt")
         self._check_encodable(text, "prompt")
+        self._check_token_count(text, "prompt")
         return list(self._tokenizer("prompt").encode(text))
+
+    def _check_token_count(self, text: str, param: str) -> None:
+        """Refuse a long text whose tokens surely reach the context, counted in pieces
+        (limits.reaches_token_limit) before it is tokenized whole."""
+        limit = self.engine.max_model_len
+        if reaches_token_limit(self._tokenizer(param), text, limit):
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"more (counted in pieces: {len(text)} characters); at most {limit - 1} prompt "
+                f"tokens fit, leaving room for one completion token", param,
+                code="context_length_exceeded")
 
     @staticmethod
     def _check_encodable(text: str, param: str) -> None:
@@ -129,6 +141,7 @@ class OpenAIServing:
         except Exception as e:  # jinja raises TemplateError for conversations it refuses
             raise InvalidRequest(f"the chat template rejected the messages: {e}",
                                  "messages") from e
+        self._check_token_count(text, "messages")
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     def sampling_params(self, body: _GenerationRequest, prompt_ids: list[int], prompt_param: str,
