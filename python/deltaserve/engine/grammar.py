@@ -94,24 +94,23 @@ class GrammarBackend:
         if spec.value is not None and len(spec.value) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"{what} is {len(spec.value)} characters; at most "
                              f"{MAX_GRAMMAR_CHARS} are accepted")
+        # json_object is OpenAI's "any JSON object" (the builtin JSON grammar also takes
+        # arrays); compact JSON: free whitespace lets a weak model pad for ever
+        schema = spec.value if spec.kind == "json_schema" else '{"type": "object"}'
+        if spec.kind in ("json_object", "json_schema"):
+            try:
+                parsed = json.loads(schema or "")
+            except ValueError as e:
+                raise ValueError(f"{what} cannot be compiled: {e}") from e
+            unenforced = _unenforced(parsed)
+            if unenforced:
+                raise ValueError(f"{what} uses {unenforced}, which the grammar cannot enforce "
+                                 f"(the output would not be held to it)")
+        elif spec.kind != "regex":
+            raise ValueError(f"{what}: unknown grammar kind")
         try:
-            if spec.kind in ("json_object", "json_schema"):
-                # json_object is OpenAI's "any JSON object" (the builtin JSON grammar also
-                # takes arrays); compact JSON: free whitespace lets a weak model pad for ever
-                schema = spec.value if spec.kind == "json_schema" else '{"type": "object"}'
-                unenforced = _unenforced(json.loads(schema or ""))
-                if unenforced:
-                    raise ValueError(f"{what} uses {unenforced}, which the grammar cannot "
-                                     f"enforce (the output would not be held to it)")
-                compiled = self.compiler.compile_json_schema(schema, any_whitespace=False)
-            elif spec.kind == "regex":
-                compiled = self.compiler.compile_regex(spec.value or "")
-            else:
-                raise ValueError(f"unknown grammar kind {spec.kind!r}")
-        except ValueError as e:
-            if str(e).startswith(what):
-                raise
-            raise ValueError(f"{what} cannot be compiled: {e}") from e
+            compiled = (self.compiler.compile_regex(spec.value or "") if spec.kind == "regex"
+                        else self.compiler.compile_json_schema(schema, any_whitespace=False))
         except Exception as e:  # xgrammar raises RuntimeError / its own errors on bad input
             raise ValueError(f"{what} cannot be compiled: {e}") from e
         first = self._xgr.allocate_token_bitmask(1, self.vocab_size)
@@ -152,9 +151,10 @@ class GrammarBackend:
         """A row whose grammar allows no token (a dead end the compile-time check cannot
         see) may only sample the first stop token, so the output ends there instead of
         with a token that breaks the grammar."""
-        dead = [i for i in rows if not bool(bitmask[i].any())]
-        if not dead or not self.stop_ids:
+        if not rows or not self.stop_ids:
             return
+        allowed = bitmask[rows].any(dim=1).tolist()  # one op for every row (a CPU tensor)
+        dead = [i for i, ok in zip(rows, allowed) if not ok]
         word, bit = divmod(self.stop_ids[0], 32)
         for i in dead:
             logger.warning("request %d: its grammar allows no token here; the output ends "

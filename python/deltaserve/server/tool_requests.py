@@ -36,12 +36,12 @@ def check_tools(body: ChatCompletionRequest) -> None:
             raise _invalid("a tool's parameters must be a JSON schema object",
                            f"tools.{i}.function.parameters")
     choice = body.tool_choice
-    forcing = choice == "required" or (isinstance(choice, dict) and choice.get("type") ==
-                                       "function")
-    if choice not in (None, "none", "auto") and forcing:
-        raise _invalid("tool_choice must be \"auto\" or \"none\": forcing a call (\"required\" "
-                       "or a named function) is not supported by deltaserve", "tool_choice")
     if choice not in (None, "none", "auto"):
+        if choice == "required" or (isinstance(choice, dict)
+                                    and choice.get("type") == "function"):
+            raise _invalid("tool_choice must be \"auto\" or \"none\": forcing a call "
+                           "(\"required\" or a named function) is not supported by deltaserve",
+                           "tool_choice")
         raise _invalid(f"tool_choice must be \"auto\" or \"none\" (OpenAI also defines "
                        f"\"required\" and a named function, which deltaserve does not "
                        f"support); got {json.dumps(choice)[:100]}", "tool_choice")

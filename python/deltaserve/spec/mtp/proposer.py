@@ -183,18 +183,15 @@ class MTPProposer(Proposer):
             return
         with torch.inference_mode():
             out = self._run(todo, starts, lens, ids, torch.cat(hid))
-            if keep:
-                for req, start, n in zip(todo, starts, lens):
-                    st = self.states[req.rid]
-                    st.mtp_len, st.first, st.first_at = start + n, None, -1
-                return
-            ends = torch.tensor(lens, device=out.device).cumsum(0) - 1
-            last = out[ends]
-            first = torch.argmax(self.model.compute_logits(last), dim=-1).tolist()
+            if not keep:
+                ends = torch.tensor(lens, device=out.device).cumsum(0) - 1
+                last = out[ends]
+                first = torch.argmax(self.model.compute_logits(last), dim=-1).tolist()
         for j, (req, start, n) in enumerate(zip(todo, starts, lens)):
             st = self.states[req.rid]
             st.mtp_len = start + n
-            st.first, st.first_at = (last[j], first[j]), st.mtp_len
+            st.first, st.first_at = ((None, -1) if keep
+                                     else ((last[j], first[j]), st.mtp_len))
 
     def _propose_graph(self, reqs: list[Req]) -> torch.Tensor | None:
         """Drafts [N, k] from one replay of the MTP graph, or None when a request does not fit
