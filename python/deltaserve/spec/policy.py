@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -73,6 +74,17 @@ class FixedPolicy:
         pass
 
 
+@dataclass(slots=True)
+class _Run:
+    """One bucket's current run of steps of one kind (k), its length, the run length that
+    triggers a probe of the other kind, and whether the run began with such a probe."""
+
+    k: int
+    length: int
+    interval: int
+    probe: bool = False
+
+
 class AdaptivePolicy:
     """Speculate iff mean acceptance length >= verify cost / decode cost (see module doc).
 
@@ -95,10 +107,7 @@ class AdaptivePolicy:
         self._seen: set[tuple[int, int]] = set()  # (bucket, k) whose warm-up step was dropped
         self.prior = prior if prior is not None else 1.0 + k / 2
         self._costs: dict[tuple[int, int], deque[float]] = {}
-        self._run: dict[int, int] = {}  # steps of the last kind in a row, per bucket
-        self._interval: dict[int, int] = {}  # run length that triggers a probe, per bucket
-        self._probing: dict[int, bool] = {}  # the current run began with a probe
-        self._last: dict[int, int] = {}
+        self._runs: dict[int, _Run] = {}  # per bucket: the current run of one kind
         self._accept: dict[int, float] = {}  # rid -> acceptance length (EMA)
         self._global = self.prior
 
@@ -118,31 +127,32 @@ class AdaptivePolicy:
         verify, decode = self.cost(self.k, len(reqs)), self.cost(0, len(reqs))
         mean_len = sum(self.acceptance(r) for r in reqs) / len(reqs)
         best = self.k if mean_len * decode >= verify else 0
-        if self._last.get(b) == best and self._run.get(b, 0) >= self.interval(b):
+        run = self._runs.get(b)
+        if run is not None and run.k == best and run.length >= run.interval:
             return self.k - best  # the other kind, once, to refresh its cost and acceptance
         return best
 
     def interval(self, b: int) -> int:
         """The run of one kind after which bucket b's next step probes the other kind."""
-        return self._interval.get(b, self.explore_every)
+        run = self._runs.get(b)
+        return self.explore_every if run is None else run.interval
 
     def on_step(self, k: int, batch_size: int, seconds: float) -> None:
         b = batch_bucket(batch_size)
         if (b, k) in self._seen:
             self._costs.setdefault((b, k), deque(maxlen=self.window)).append(seconds)
         self._seen.add((b, k))
-        run = self._run.get(b, 0)
-        if b in self._last and k != self._last[b]:
-            if self._probing.get(b) and run == 1:  # a probe, then back: it confirmed the choice
-                self._interval[b] = min(2 * self.interval(b), self.max_explore_every)
-            self._probing[b] = run >= self.interval(b)
-            self._run[b] = 1
+        run = self._runs.get(b)
+        if run is None:
+            self._runs[b] = _Run(k, 1, self.explore_every)
+        elif k == run.k:
+            run.length += 1
+            if run.probe and run.length == 2:  # the probed kind was kept
+                run.interval, run.probe = self.explore_every, False
         else:
-            self._run[b] = run + 1
-            if self._probing.get(b) and run + 1 == 2:  # the probed kind was kept
-                self._interval[b] = self.explore_every
-                self._probing[b] = False
-        self._last[b] = k
+            if run.probe and run.length == 1:  # a probe, then back: it confirmed the choice
+                run.interval = min(2 * run.interval, self.max_explore_every)
+            run.k, run.probe, run.length = k, run.length >= run.interval, 1
 
     def on_verify(self, reqs: list[Req], committed: list[int]) -> None:
         a = self.smoothing
