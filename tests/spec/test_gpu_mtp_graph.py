@@ -128,8 +128,7 @@ def test_gpu_overlapped_plain_steps_between_mtp_verify_steps_keep_plain_tokens(c
     plain = [o.token_ids for o in make(ckpt).generate(batch, params)]
     llm = spec(ckpt, graphs=True, policy="adaptive")
     eng = llm.engine
-    policy = PatternPolicy(K, "vvdddddvdd")
-    eng.policy, eng.scheduler.choose_drafts = policy, policy.choose
+    PatternPolicy(K, "vvdddddvdd").install(eng)
     outs = [o.token_ids for o in llm.generate(batch, params)]
     assert eng.overlap.overlapped_steps > 5 and eng.spec.proposer.graphs.steps > 5
     assert eng.decode_graphs.graphs

@@ -32,10 +32,12 @@ def ckpt(tmp_path_factory):
 
 
 def make(ckpt: str, graphs: bool, static_target: bool = False, max_graph_reqs: int = 2,
-         **kw) -> LLM:
+         pattern: str | None = None, **kw) -> LLM:
     """An MTP engine; graphs: the proposer's fixed-shape step for batches of up to
     max_graph_reqs (larger ones run the eager proposer); static_target: the target's verify
-    steps through the fixed-shape GraphRunner as well (drafts handed over on the device)."""
+    steps through the fixed-shape GraphRunner as well (drafts handed over on the device);
+    pattern: a test_policy.PatternPolicy of verify ("v") and plain ("d") steps, the plain
+    ones through fixed-shape decode steps (so the overlap scheduler runs them)."""
     kw = dict(device="cpu", dtype="float32", num_pages=512, page_size=4, max_running_reqs=4,
               speculative_algorithm="mtp", speculative_num_steps=K,
               speculative_policy="fixed") | kw
@@ -46,6 +48,12 @@ def make(ckpt: str, graphs: bool, static_target: bool = False, max_graph_reqs: i
     if static_target:
         eng.graphs = GraphRunner(eng.runner, eng.cfg.max_running_reqs,
                                  eng.cfg.decode_rows_per_req, eng.max_model_len, capture=False)
+    if pattern is not None:
+        from test_policy import PatternPolicy
+
+        eng.decode_graphs = GraphRunner(eng.runner, eng.cfg.max_running_reqs, 1,
+                                        eng.max_model_len, capture=False)
+        PatternPolicy(K, pattern).install(eng)
     return llm
 
 
@@ -153,15 +161,10 @@ def test_drafts_after_overlapped_decode_steps_equal_the_oracle_head(ckpt):
     states reach the proposer at launch and their catch-up waits for the next verify, whose
     first draft is still the MTP head's argmax over the whole sequence."""
     from test_mtp_proposer import oracle_mtp_logits
-    from test_policy import PatternPolicy
 
     plain = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=4)
-    llm = make(ckpt, graphs=True, static_target=True, max_graph_reqs=4)
+    llm = make(ckpt, graphs=True, static_target=True, max_graph_reqs=4, pattern="vvdddddvdd")
     eng = llm.engine
-    eng.decode_graphs = GraphRunner(eng.runner, eng.cfg.max_running_reqs, 1, eng.max_model_len,
-                                    capture=False)
-    policy = PatternPolicy(K, "vvdddddvdd")
-    eng.policy, eng.scheduler.choose_drafts = policy, policy.choose
     got = record_drafts(llm)
     assert turns(llm, 24) == turns(plain, 24)
     assert eng.overlap.overlapped_steps > 5 and eng.spec.proposer.graphs.steps > 5
@@ -176,16 +179,10 @@ def test_arrivals_a_stop_an_abort_and_sampling_with_overlapped_plain_steps(ckpt)
     decode steps between verify steps: with overlap scheduling the greedy requests give the
     synchronous engine's tokens, the stop and the abort leave nothing behind."""
     from overlap_driver import abort, add, drive, first_new
-    from test_policy import PatternPolicy
 
     def engine(overlap: bool):
-        eng = make(ckpt, graphs=True, static_target=True, max_graph_reqs=4,
-                   overlap_schedule=overlap).engine
-        eng.decode_graphs = GraphRunner(eng.runner, eng.cfg.max_running_reqs, 1,
-                                        eng.max_model_len, capture=False)
-        policy = PatternPolicy(K, "vvdddddvdd")
-        eng.policy, eng.scheduler.choose_drafts = policy, policy.choose
-        return eng
+        return make(ckpt, graphs=True, static_target=True, max_graph_reqs=4,
+                    pattern="vvdddddvdd", overlap_schedule=overlap).engine
 
     greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
               for m in (20, 24, 30, 16)]

@@ -146,6 +146,11 @@ class PatternPolicy(FixedPolicy):
         self.steps += 1
         self.seen.append(k)
 
+    def install(self, eng) -> PatternPolicy:
+        """Make this the engine's policy (what the scheduler and the overlap path ask)."""
+        eng.policy, eng.scheduler.choose_drafts = self, self.choose
+        return self
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
@@ -156,27 +161,40 @@ def ckpt(tmp_path_factory):
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.mark.parametrize("algo, pattern", [("ngram", "vdvvdd"), ("mtp", "dvvdv")])
-def test_plain_decode_steps_between_verify_steps_keep_greedy_exact(ckpt, algo, pattern):
-    batch = prompts(seed=3)
-    path = ckpt
-    plain = LLM(path, device="cpu", dtype="float32", num_pages=512, page_size=16)
+def pattern_run(ckpt: str, algo: str, pattern: str, seed: int, overlapped: bool):
+    """A speculative engine whose policy follows `pattern`, on the prompts of `seed`; with
+    `overlapped` its verify and plain decode steps take the fixed-shape (graph) path run
+    eagerly, so plain steps go through the overlap scheduler. The n-gram proposer is the stub
+    that drafts the plain run's tokens. Asserts greedy tokens equal plain decoding's; returns
+    (engine, policy)."""
+    batch = prompts(seed=seed)
+    plain = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=16)
     plain_outs = [o.token_ids for o in plain.generate(batch, GREEDY)]
-    spec = LLM(path, device="cpu", dtype="float32", num_pages=512, page_size=16,
-               speculative_algorithm=algo, speculative_num_steps=3)
+    spec = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=16,
+               max_running_reqs=4, speculative_algorithm=algo, speculative_num_steps=3)
     eng = spec.engine
-    policy = PatternPolicy(3, pattern)
-    eng.policy = policy
-    eng.scheduler.choose_drafts = policy.choose
+    policy = PatternPolicy(3, pattern).install(eng)
+    n = eng.cfg.max_running_reqs
+    if overlapped:
+        eng.graphs = GraphRunner(eng.runner, n, 4, eng.max_model_len, capture=False)
+        eng.decode_graphs = GraphRunner(eng.runner, n, 1, eng.max_model_len, capture=False)
+        if algo == "mtp":
+            eng.spec.use_graphs(n, eng.max_model_len, capture=False)
     if algo == "ngram":
         eng.spec.proposer = StubProposer(3, {tuple(p): o for p, o in zip(batch, plain_outs)},
                                          512)
     outs = spec.generate(batch, GREEDY)
     for prompt, ours, ref_plain in zip(batch, outs, plain_outs):
-        ref = reference_greedy(path, prompt, GREEDY.max_tokens)
+        ref = reference_greedy(ckpt, prompt, GREEDY.max_tokens)
         assert_same_runs(ours.token_ids, ref_plain, ref, f"{algo} {pattern} len {len(prompt)}")
     assert 0 in policy.seen and 3 in policy.seen
     assert_drained(eng)
+    return eng, policy
+
+
+@pytest.mark.parametrize("algo, pattern", [("ngram", "vdvvdd"), ("mtp", "dvvdv")])
+def test_plain_decode_steps_between_verify_steps_keep_greedy_exact(ckpt, algo, pattern):
+    pattern_run(ckpt, algo, pattern, seed=3, overlapped=False)
 
 
 def test_the_adaptive_default_stays_exact_and_runs_both_kinds(ckpt):
@@ -201,27 +219,6 @@ def test_overlapped_plain_steps_between_verify_steps_keep_greedy_exact(ckpt, alg
     """The policy's plain decode steps run through the overlap scheduler (decode graphs, the
     fixed-shape step run eagerly on the CPU); verify steps run synchronously between them.
     (test_mtp_graph.py checks the MTP drafts after overlapped steps against the oracle.)"""
-    batch = prompts(seed=6)
-    plain = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=16)
-    plain_outs = [o.token_ids for o in plain.generate(batch, GREEDY)]
-    spec = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=16,
-               max_running_reqs=4, speculative_algorithm=algo, speculative_num_steps=3)
-    eng = spec.engine
-    policy = PatternPolicy(3, pattern)
-    eng.policy = policy
-    eng.scheduler.choose_drafts = policy.choose
-    n = eng.cfg.max_running_reqs
-    eng.graphs = GraphRunner(eng.runner, n, 4, eng.max_model_len, capture=False)
-    eng.decode_graphs = GraphRunner(eng.runner, n, 1, eng.max_model_len, capture=False)
-    if algo == "mtp":
-        eng.spec.use_graphs(n, eng.max_model_len, capture=False)
-    else:
-        eng.spec.proposer = StubProposer(3, {tuple(p): o for p, o in zip(batch, plain_outs)},
-                                         512)
-    outs = spec.generate(batch, GREEDY)
-    for prompt, ours, ref_plain in zip(batch, outs, plain_outs):
-        ref = reference_greedy(ckpt, prompt, GREEDY.max_tokens)
-        assert_same_runs(ours.token_ids, ref_plain, ref, f"{algo} overlap len {len(prompt)}")
-    assert eng.overlap.overlapped_steps > 0 and 3 in policy.seen
+    eng, _ = pattern_run(ckpt, algo, pattern, seed=6, overlapped=True)
+    assert eng.overlap.overlapped_steps > 0
     assert eng.graphs.graph_steps > 0 and eng.spec_steps > 0
-    assert_drained(eng)
