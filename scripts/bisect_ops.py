@@ -25,6 +25,7 @@ import tempfile
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -39,17 +40,14 @@ TOP = 20
 @contextlib.contextmanager
 def kernels_off(names: tuple[str, ...]) -> Iterator[None]:
     """Ops modules `names` (under deltaserve.ops) see no extension: their references run."""
-    off = types.SimpleNamespace(**{k: getattr(_ext, k) for k in dir(_ext) if not k.startswith("__")})
+    off = types.SimpleNamespace(**{k: getattr(_ext, k) for k in dir(_ext)
+                                   if not k.startswith("__")})
     off.use_extension = lambda *tensors: False
-    mods = [importlib.import_module(f"deltaserve.ops.{n}") for n in names]
-    saved = [m._ext for m in mods]
-    try:
-        for m in mods:
-            m._ext = off
+    with contextlib.ExitStack() as stack:
+        for n in names:
+            module = importlib.import_module(f"deltaserve.ops.{n}")
+            stack.enter_context(mock.patch.object(module, "_ext", off))
         yield
-    finally:
-        for m, e in zip(mods, saved):
-            m._ext = e
 
 
 @contextlib.contextmanager
@@ -63,15 +61,11 @@ def fla_off() -> Iterator[None]:
         return cp.gdn_chunk_prefill_ref(q, k, v, a, b, A_log, dt_bias, initial_state, index,
                                         scale, qk_normalized=qk_normalized)
 
-    holders = [m for name, m in list(sys.modules.items())
-               if name.startswith("deltaserve") and getattr(m, "gdn_chunk_prefill", None) is orig]
-    try:
-        for m in holders:
-            m.gdn_chunk_prefill = ref
+    with contextlib.ExitStack() as stack:
+        for name, module in list(sys.modules.items()):
+            if name.startswith("deltaserve") and getattr(module, "gdn_chunk_prefill", None) is orig:
+                stack.enter_context(mock.patch.object(module, "gdn_chunk_prefill", ref))
         yield
-    finally:
-        for m in holders:
-            m.gdn_chunk_prefill = orig
 
 
 def configurations(device: str) -> list[tuple[str, contextlib.AbstractContextManager, dict]]:
