@@ -1,13 +1,20 @@
-"""Host time of an engine step without the model: scheduler, sampling, speculation bookkeeping.
+"""Host time of an engine step without the model: what the CPU does per decode / verify step.
 
 TARGETS.md asks that scheduler + Python overhead per decode step stay under 10% of the GPU step
-at batch 32. This times `LLMEngine.step()` on the CPU with the model forward replaced by a stub
-that does only the host work the CUDA-graph path does per step (input ids, positions and slots
-as tensors, the padded attention metadata) and returns fixed logits; the verify commit (replay
-kernels on the GPU) is a no-op. What remains is everything else the host runs per step:
-scheduling, page bookkeeping, sampling (argmax over [rows, vocab] logits), token commit, stop
-checks, detokenization, and with speculation the n-gram proposal and draft acceptance.
-The GPU step time to compare with comes from bench_e2e.py (RESULTS.md); not measured here.
+at batch 32; with overlap scheduling (engine/overlap.py) a plain decode step's host work runs
+beside the GPU and only bounds the step when it is the longer of the two, while a verify step's
+host work adds to it (the next verify needs this one's accepted counts). This runs the engine's
+real step path on the CPU, the embedded default model, with the model compute stubbed: the
+decode / verify graph runners and the MTP graph are built uncaptured (capture=False), then
+each replay returns its first outputs again, and the verify commit (a GDN replay kernel on the
+GPU) is a no-op. What remains is everything the host runs per step: scheduling, input staging
+and attention metadata, sampling bookkeeping, the proposer's host work, draft acceptance,
+token commit, stop checks, detokenization and the outputs. A CPU tensor op here stands for a
+CUDA launch there (similar host cost, no device work), so this is a proxy for the GPU host's
+time, not a GPU figure; the GPU step to compare with comes from bench_e2e.py / bench_spec.py.
+
+Each figure is the best of three runs of `--max-tokens` steps for `batch` requests (prefill
+steps excluded), in microseconds per step and per request row.
 
     python benchmarks/bench_step_host.py --out step_host.json
 """
@@ -16,81 +23,77 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.core import Phase
-from deltaserve.engine.attention import PagedMetadata
-from deltaserve.engine.model_runner import ForwardOutput
+from deltaserve.engine.cuda_graph import GraphRunner
+
+# step kind -> engine arguments: plain decode (overlapped), or verify steps with k = 3 drafts
+KINDS = {"decode": {}, "mtp": {"speculative_algorithm": "mtp"},
+         "ngram": {"speculative_algorithm": "ngram"}}
+PROMPT = "def f(x):\n    return x\n" * 8  # repetitive: the n-gram proposer finds drafts
 
 
-def stub_forward(engine, vocab: int):
-    """runner.forward replacement: the graph path's host-side inputs, then fixed logits."""
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(4096, vocab, generator=gen)
-    runner = engine.runner
-
-    def forward(batch, keep_hidden=False):
-        rows = batch.rows_per_req if batch.phase is not Phase.PREFILL else 1
-        n = batch.size
-        ids = runner.input_ids(batch)
-        torch.tensor(ids)
-        torch.tensor([p for r in batch.reqs for p in range(r.device_len, r.device_len + rows)])
-        torch.tensor([r.slot for r in batch.reqs], dtype=torch.int32)
-        if batch.phase is not Phase.PREFILL:
-            meta = PagedMetadata.allocate(n, rows, 2048, runner.kv.page_size,
-                                          torch.device("cpu"))
-            meta.fill([r.page_table for r in batch.reqs], [r.device_len for r in batch.reqs],
-                      runner.kv.page_size)
-            owners = [r for r in batch.reqs for _ in range(rows)]
-        else:
-            owners = [r for r, m in zip(batch.reqs, batch.extend_lens)
-                      if r.device_len + m == r.prompt_len]
-        return ForwardOutput(logits[:len(owners)], owners, None)
-
-    return forward
-
-
-def time_steps(llm: LLM, batch: int, prompt_len: int, max_tokens: int) -> list[float]:
-    """Seconds of each decode/verify step of `batch` requests (prefill steps excluded)."""
+def stubbed_engine(kind: str, batch: int) -> LLM:
+    """An LLM whose step graphs run no model after a warm-up step of `batch` requests."""
+    spec = KINDS[kind]
+    kw = dict(spec, speculative_num_steps=3, speculative_policy="fixed") if spec else {}
+    llm = LLM(None, device="cpu", dtype="float32", enable_prefix_cache=False,
+              max_running_reqs=max(batch, 8), **kw)
     eng = llm.engine
-    vocab = eng.model.config.vocab_size
-    eng.runner.forward = stub_forward(eng, vocab)
-    eng.runner.commit_verify = lambda committed: None
-    eng.graphs = None
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i in range(batch):
-        eng.add_request([(i * 7 + j) % (vocab - 1) + 1 for j in range(prompt_len)], params)
-    times = []
-    while eng.has_unfinished():
-        prefill = any(r.in_prefill for r in eng.scheduler.running) or bool(eng.scheduler.waiting)
-        t0 = time.perf_counter()
-        eng.step()
-        if not prefill:
-            times.append(time.perf_counter() - t0)
-    return times
+    rows = 4 if spec else 1
+    eng.graphs = GraphRunner(eng.runner, max(batch, 8), rows, eng.max_model_len, capture=False)
+    mtp = spec.get("speculative_algorithm") == "mtp"
+    if mtp:
+        eng.spec.use_graphs(max(batch, 8), eng.max_model_len, capture=False)
+    prompt = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
+    llm.generate([prompt] * batch, SamplingParams(temperature=0.0, max_tokens=8,
+                                                  ignore_eos=True))
+    graphs = list(eng.graphs.graphs.values())
+    if mtp:
+        graphs += list(eng.spec.proposer.graphs.graphs.values())
+    for g in graphs:
+        g.replay = lambda: None  # the warm-up's outputs stay in the graph's output buffers
+    eng.runner.commit_verify = lambda counts: None
+    llm.prompt = prompt
+    return llm
+
+
+def host_us_per_step(llm: LLM, batch: int, max_tokens: int) -> float:
+    """Best of three: seconds of decode / verify steps of `batch` requests, per step, in µs."""
+    eng, best = llm.engine, float("inf")
+    for _ in range(3):
+        for _ in range(batch):
+            eng.add_request(list(llm.prompt), SamplingParams(
+                temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        while eng.scheduler.waiting or any(r.in_prefill for r in eng.scheduler.running):
+            eng.step()
+        n0, t0 = eng.num_steps, time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+        best = min(best, (time.perf_counter() - t0) / (eng.num_steps - n0))
+    return best * 1e6
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: " + ", ".join(KINDS))
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="step_host.json")
     args = ap.parse_args()
-    results = {}
-    for name, kw in (("decode", {}),
-                     ("verify, ngram k=3", dict(speculative_algorithm="ngram",
-                                                speculative_num_steps=3))):
-        llm = LLM(None, device="cpu", dtype="float32", max_running_reqs=args.batch, **kw)
-        times = time_steps(llm, args.batch, args.prompt_tokens, args.max_tokens)
-        results[name] = {"steps": len(times), "median_ms": statistics.median(times) * 1e3,
-                         "p90_ms": sorted(times)[int(0.9 * len(times))] * 1e3}
-        print(f"{name:20s} batch {args.batch}: {results[name]['median_ms']:.2f} ms per step "
-              f"(p90 {results[name]['p90_ms']:.2f}, {len(times)} steps)")
+    torch.set_num_threads(1)  # host work is one thread; a GPU host runs no CPU kernels
+    results = []
+    for kind in args.kinds.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            llm = stubbed_engine(kind, batch)
+            us = host_us_per_step(llm, batch, args.max_tokens)
+            results.append({"kind": kind, "batch": batch, "us_per_step": round(us, 1),
+                            "us_per_request": round(us / batch, 2)})
+            print(f"{kind:7s} batch {batch:3d}: {us:7.0f} us per step, "
+                  f"{us / batch:6.1f} us per request")
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=2)
 
