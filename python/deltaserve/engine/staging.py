@@ -114,8 +114,9 @@ def row_positions(starts: list[int], rows: int | list[int]) -> np.ndarray:
     """Positions of each request's new rows, concatenated: start_i .. start_i + rows_i - 1
     (rows: one count for all, or one per request) -> int64 [sum rows]."""
     starts_a = np.asarray(starts, dtype=np.int64)
-    counts = np.full(len(starts), rows, dtype=np.int64) if isinstance(rows, int) \
-        else np.asarray(rows, dtype=np.int64)
+    if isinstance(rows, int):  # every decode / verify step: no repeat over counts (4x faster)
+        return (starts_a[:, None] + np.arange(rows, dtype=np.int64)).reshape(-1)
+    counts = np.asarray(rows, dtype=np.int64)
     if counts.size == 0:
         return np.zeros(0, dtype=np.int64)
     offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
