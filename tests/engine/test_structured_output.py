@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import jsonschema
-import torch
 import pytest
+import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.grammar import GrammarSpec

@@ -190,7 +190,7 @@ class OverlapScheduler:
 
     def _launch(self, batch: Batch, device_tokens: DeviceTokens | None) -> InFlight:
         """Replay `batch`'s graph, sample on the device and start the copy of the tokens."""
-        eng, spec = self.engine, self.engine.spec
+        spec = self.engine.spec
         launched_at = time.perf_counter()
         keep_hidden = spec is not None and spec.wants_hidden
         out = self.graphs.forward(batch, keep_hidden, device_tokens=device_tokens)
