@@ -78,9 +78,10 @@ class PagedMetadata:
         meta.fill(page_tables, starts, page_size)
         return cls(meta.page_table.to(device), meta.kv_lens.to(device), rows, max_kv_len)
 
-    def fill(self, page_tables: list[list[int]], starts: list[int], page_size: int) -> None:
+    def fill(self, page_tables: list[list[int]], starts: list[int], page_size: int,
+             lengths: bool = True) -> None:
         """Point the first len(starts) requests at these pages and lengths; the rest become
-        padding. Only the columns this batch needs are written: a column past a request's
+        padding (`lengths=False`: the table only, for a graph that computes its lengths). Only the columns this batch needs are written: a column past a request's
         length is never read by the kernel, and the reference masks it (any page id < P).
 
         A graph's buffers are filled every step with nearly the same tables (a decode request
@@ -104,15 +105,16 @@ class PagedMetadata:
                 self._host[i, :len(got)] = got
                 self._rows[i] = got
                 changed = True
-        lens = np.full(self.kv_lens.shape[0], rows, dtype=np.int32)
-        lens[:n] += np.asarray(starts, dtype=np.int32)
         # through pinned memory like every other step input (engine/staging.py): a
         # non-blocking copy from pageable numpy memory would still stage synchronously
         if changed:
             self.page_table[:, :cols].copy_(
                 staged(self._host[:, :cols], torch.int32, self.page_table.device),
                 non_blocking=self.page_table.is_cuda)
-        copy_into(self.kv_lens, lens)
+        if lengths:
+            lens = np.full(self.kv_lens.shape[0], rows, dtype=np.int32)
+            lens[:n] += np.asarray(starts, dtype=np.int32)
+            copy_into(self.kv_lens, lens)
 
 
 class PagedAttentionBackend:

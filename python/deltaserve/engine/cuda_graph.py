@@ -56,8 +56,9 @@ class DeviceTokens:
 @dataclass
 class _Graph:
     replay: Callable[[], object]  # the graph's replay (or, uncaptured, the eager step)
-    input_ids: torch.Tensor  # [B * R] int64
-    positions: torch.Tensor  # [B * R] int64
+    ints: torch.Tensor  # int64 [2 * B * R]: input ids, then positions (one staged copy)
+    input_ids: torch.Tensor  # [B * R] int64, a view of ints
+    positions: torch.Tensor  # [B * R] int64, a view of ints
     attn: PagedMetadata  # static page table [B, max_pages] and lengths [B]
     gdn: PoolGDNBackend  # holds the static slots [B] and, for verify, the conv inputs
     hidden: torch.Tensor  # [B * R, hidden]
@@ -124,24 +125,23 @@ class GraphRunner:
         self.graphs[key] = g
         b = g.gdn.meta.slots.shape[0]
         # padding rows feed token 0 at position 0 into slot 0 / page 0 (never a real request)
-        ids = np.zeros(b * rows, dtype=np.int64)
+        ints = np.zeros(2 * b * rows, dtype=np.int64)
+        ids, pos = ints[:b * rows], ints[b * rows:]
         on_device = batch.draft_ids is None and batch.draft_tensor is not None
         if on_device:  # the pending tokens from here, the drafts below from the device
             ids[:n * rows:rows] = [r.tokens(r.device_len, r.device_len + 1)[0]
                                    for r in batch.reqs]
         elif device_tokens is None:
             ids[:n * rows] = runner.input_ids(batch)
-        pos = np.zeros(b * rows, dtype=np.int64)
         pos[:n * rows] = row_positions(starts, rows)
         slots = np.zeros(b, dtype=np.int32)
         slots[:n] = slot_ids
-        copy_into(g.input_ids, ids)
+        copy_into(g.ints, ints)
         if on_device:  # in stream order after the staged copy: no host round trip
             g.input_ids.view(b, rows)[:n, 1:].copy_(batch.draft_tensor)
         if device_tokens is not None:  # likewise, and before this replay overwrites them
             torch.index_select(device_tokens.tokens, 0, device_tokens.index,
                                out=g.input_ids[:n])
-        copy_into(g.positions, pos)
         copy_into(g.gdn.meta.slots, slots)
         if g.gdn.meta.pending is not None:
             rows_buf = g.gdn.meta.pending[1]
@@ -164,8 +164,8 @@ class GraphRunner:
         step writes runner.stashes[write] and takes pending rows from the other one."""
         runner, rows, dev = self.runner, self.rows, self.runner.device
         t = b * rows
-        input_ids = torch.zeros(t, dtype=torch.long, device=dev)
-        positions = torch.zeros(t, dtype=torch.long, device=dev)
+        ints = torch.zeros(2 * t, dtype=torch.long, device=dev)
+        input_ids, positions = ints[:t], ints[t:]
         attn = PagedMetadata.allocate(b, rows, self.max_kv_len, runner.kv.page_size, dev)
         meta = GDNMetadata(self.phase, torch.zeros(b, dtype=torch.int32, device=dev),
                            torch.arange(0, t + 1, rows, dtype=torch.int32, device=dev), rows)
@@ -184,10 +184,10 @@ class GraphRunner:
 
         if not self.capture:
             hidden, logits, greedy = step()
-            return _Graph(step, input_ids, positions, attn, gdn, hidden, logits, greedy)
+            return _Graph(step, ints, input_ids, positions, attn, gdn, hidden, logits, greedy)
         graph, (hidden, logits, greedy) = capture(step, self.pool)
-        return _Graph(lambda: graph.replay(), input_ids, positions, attn, gdn, hidden, logits,
-                      greedy)
+        return _Graph(lambda: graph.replay(), ints, input_ids, positions, attn, gdn, hidden,
+                      logits, greedy)
 
 
 def capture(step: Callable[[], Any], pool) -> tuple[torch.cuda.CUDAGraph, Any]:

@@ -41,7 +41,7 @@ class _Graph:
     replay: Callable[[], object]  # the graph's replay (or, uncaptured, the eager step)
     ints: torch.Tensor  # int64 [2*B*R + 2*B]: ids, gather index, mtp_len, counts
     hidden: torch.Tensor  # [B * R, hidden]: target hidden of each catch-up row
-    cover: PagedMetadata  # stages the page table [B, max_pages] (lengths: scratch)
+    cover: PagedMetadata  # stages the page table [B, max_pages] (its lengths are unused)
     drafts: torch.Tensor  # int64 [B, k]: the output
 
 
@@ -98,7 +98,7 @@ class MTPGraphs:
         copy_into(g.ints, ints)
         # the page table, columns up to the last position any row of a request touches
         ends = [m + c + self.k - 1 for m, c in zip(mtp_lens, counts)]
-        g.cover.fill(page_tables, ends, self.kv.page_size)
+        g.cover.fill(page_tables, ends, self.kv.page_size, lengths=False)  # in-graph lengths
         torch.index_select(src, 0, g.ints[b * r:2 * b * r], out=g.hidden)
         g.replay()
         self.steps += 1
