@@ -37,20 +37,32 @@ def reference_lookup(ids: list[int], k: int, max_n: int = 4, min_n: int = 1) -> 
 
 @settings(max_examples=400, deadline=None)
 @given(ids=st.lists(st.integers(0, 4), min_size=0, max_size=60), k=st.integers(1, 5),
-       max_n=st.integers(1, 5))
-def test_lookup_equals_the_brute_force_definition(ids, k, max_n):
-    p = NgramProposer(k, max_n=max_n)
+       max_n=st.integers(1, 5), search_max=st.sampled_from([0, 30, 2048]))
+def test_lookup_equals_the_brute_force_definition(ids, k, max_n, search_max):
+    """Both searches (byte search up to search_max tokens, vectorised past it)."""
+    p = NgramProposer(k, max_n=max_n, search_max=search_max)
     assert p.lookup(ids) == reference_lookup(ids, k, max_n)
 
 
 def test_propose_follows_a_growing_request_and_forgets_it_on_release():
     rng = random.Random(0)
-    prompt = [rng.randrange(6) for _ in range(300)]  # > the buffer's first 256 tokens
+    prompt = [rng.randrange(6) for _ in range(300)]
     req = Req(rid=7, prompt_ids=prompt, params=SamplingParams(), max_len=2000)
-    p = NgramProposer(3)
+    p = NgramProposer(3, search_max=800)  # the request outgrows the byte search
     for _ in range(400):
         assert p.propose([req]) == [reference_lookup(req.all_ids, 3)]
         for _ in range(rng.randrange(1, 5)):  # a verify step commits 1..k+1 tokens
             req.append_output(rng.randrange(6))
     p.release(req)
     assert p._buffers == {}
+
+
+@settings(max_examples=400, deadline=None)
+@given(ids=st.lists(st.sampled_from([0, 1, 255, 256, 257, 65536, 2 ** 24, 2 ** 30 + 1, 248319]),
+                    min_size=0, max_size=40), k=st.integers(1, 5), max_n=st.integers(1, 5),
+       search_max=st.sampled_from([0, 2048]))
+def test_lookup_equals_the_definition_for_ids_whose_bytes_overlap(ids, k, max_n, search_max):
+    """Ids whose int32 bytes repeat inside and across tokens (zero bytes, 0x01, 0xff): the
+    byte search finds misaligned hits that must be skipped, never returned."""
+    p = NgramProposer(k, max_n=max_n, search_max=search_max)
+    assert p.lookup(ids) == reference_lookup(ids, k, max_n)

@@ -81,8 +81,9 @@ class PagedMetadata:
     def fill(self, page_tables: list[list[int]], starts: list[int], page_size: int,
              lengths: bool = True) -> None:
         """Point the first len(starts) requests at these pages and lengths; the rest become
-        padding (`lengths=False`: the table only, for a graph that computes its lengths). Only the columns this batch needs are written: a column past a request's
-        length is never read by the kernel, and the reference masks it (any page id < P).
+        padding (`lengths=False`: the table only, for a graph that computes its lengths).
+        Only the columns this batch needs are written: a column past a request's length is
+        never read by the kernel, and the reference masks it (any page id < P).
 
         A graph's buffers are filled every step with nearly the same tables (a decode request
         gains a page every page_size steps), so a host copy of the table is kept and only rows
