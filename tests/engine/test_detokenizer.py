@@ -86,11 +86,31 @@ def test_chinese_and_emoji_split_over_byte_tokens_come_out_whole(tokenizer):
     assert all("\ufffd" not in p for p in pieces)
 
 
-def test_each_token_decodes_a_window_not_the_whole_output(tokenizer):
+def test_each_step_decodes_a_window_not_the_whole_output(tokenizer):
+    """Without stop strings the tokens a step commits (up to k+1 = 4 for a verify step) are
+    decoded together when the step's text is taken: two decodes of a short window a step."""
     calls = []
     det = IncrementalDetokenizer(tokenizer, [])
     inner = det._decode
     det._decode = lambda ids: calls.append(len(ids)) or inner(ids)
-    for t in tokenizer.encode("x = 1\n" * 200, add_special_tokens=False):
-        det.append(t)
-    assert max(calls) <= 16 and det.text == "x = 1\n" * 200
+    ids = tokenizer.encode("x = 1\n" * 200, add_special_tokens=False)
+    pieces, steps = [], 0
+    for i in range(0, len(ids), 4):
+        for t in ids[i:i + 4]:
+            det.append(t)
+        pieces.append(det.take_new_text())
+        steps += 1
+    pieces.append(det.take_new_text(final=True))
+    assert "".join(pieces) == "x = 1\n" * 200
+    assert max(calls) <= 16 and len(calls) <= 2 * steps
+
+
+def test_stop_strings_are_found_at_the_token_that_completes_them(tokenizer):
+    """With a stop string each token is decoded as it is appended: append reports the stop
+    at the token that completes it (the scheduler commits no token after it)."""
+    ids = tokenizer.encode("a = 1\nb = 2\nc = 3\n", add_special_tokens=False)
+    det = IncrementalDetokenizer(tokenizer, ["b = 2"])
+    stopped_at = next(i for i, t in enumerate(ids) if det.append(t))
+    text = tokenizer.decode(ids[:stopped_at + 1])
+    assert "b = 2" in text and "b = 2" not in tokenizer.decode(ids[:stopped_at])
+    assert det.take_new_text(final=True) == "a = 1\n"
