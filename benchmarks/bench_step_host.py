@@ -61,8 +61,10 @@ def stubbed_engine(kind: str, batch: int) -> LLM:
     return llm
 
 
-def host_us_per_step(llm: LLM, batch: int, max_tokens: int) -> float:
-    """Best of three: seconds of decode / verify steps of `batch` requests, per step, in µs."""
+def host_us_per_step(llm: LLM, batch: int, max_tokens: int) -> tuple[float, float]:
+    """Best of three: (µs of host time per decode / verify step of `batch` requests, tokens
+    committed per request per step). The stubbed graphs' outputs are stale, so a verify step
+    commits what its warm-up outputs accept: compare kinds and commits per token too."""
     eng, best = llm.engine, float("inf")
     for _ in range(3):
         for _ in range(batch):
@@ -73,8 +75,9 @@ def host_us_per_step(llm: LLM, batch: int, max_tokens: int) -> float:
         n0, t0 = eng.num_steps, time.perf_counter()
         while eng.has_unfinished():
             eng.step()
-        best = min(best, (time.perf_counter() - t0) / (eng.num_steps - n0))
-    return best * 1e6
+        steps = eng.num_steps - n0
+        best = min(best, (time.perf_counter() - t0) / steps)
+    return best * 1e6, (max_tokens - 1) / steps
 
 
 def main() -> None:
@@ -89,11 +92,12 @@ def main() -> None:
     for kind in args.kinds.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             llm = stubbed_engine(kind, batch)
-            us = host_us_per_step(llm, batch, args.max_tokens)
+            us, per_step = host_us_per_step(llm, batch, args.max_tokens)
             results.append({"kind": kind, "batch": batch, "us_per_step": round(us, 1),
-                            "us_per_request": round(us / batch, 2)})
+                            "us_per_request": round(us / batch, 2),
+                            "tokens_per_step": round(per_step, 2)})
             print(f"{kind:7s} batch {batch:3d}: {us:7.0f} us per step, "
-                  f"{us / batch:6.1f} us per request")
+                  f"{us / batch:6.1f} us per request, {per_step:.2f} tokens per step")
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=2)
 

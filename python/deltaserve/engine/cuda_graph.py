@@ -13,8 +13,10 @@ graph's output) are copied into a verify graph's input ids on the device, and so
 of an overlapped decode step (`DeviceTokens`: the previous step's sampled tokens, gathered by a
 row index, engine/overlap.py). Inputs are staged in
 pinned host memory and copied without blocking (engine/staging.py); the argmax in the graph
-lets a greedy step copy only its tokens back. A verify graph always takes pending rows from a
-static int32 buffer (zeros when none are pending for its batch). MoE models are captured when
+lets a greedy step copy only its tokens back, and a verify graph also compares the drafts
+with it (the greedy acceptance, `ForwardOutput.accepted`), so a greedy verify step launches
+nothing between its replay and the one copy back. A verify graph always takes pending rows
+from a static int32 buffer (zeros when none are pending for its batch). MoE models are captured when
 their experts run without a host sync at the largest batch (`model.mlp.moe_graph_safe`).
 """
 
@@ -32,6 +34,7 @@ from deltaserve.engine.attention import PagedAttentionBackend, PagedMetadata
 from deltaserve.engine.gdn_backend import GDNMetadata, PoolGDNBackend
 from deltaserve.engine.model_runner import ForwardOutput, ModelRunner
 from deltaserve.engine.staging import copy_into, row_positions
+from deltaserve.spec.accept import accept_greedy_rows
 
 
 def buckets(limit: int, start: int) -> list[int]:
@@ -56,7 +59,7 @@ class DeviceTokens:
 @dataclass
 class _Graph:
     replay: Callable[[], object]  # the graph's replay (or, uncaptured, the eager step)
-    ints: torch.Tensor  # int64 [2 * B * R]: input ids, then positions (one staged copy)
+    ints: torch.Tensor  # int64 [2 * B * R + B]: input ids, positions, drafts per request
     input_ids: torch.Tensor  # [B * R] int64, a view of ints
     positions: torch.Tensor  # [B * R] int64, a view of ints
     attn: PagedMetadata  # static page table [B, max_pages] and lengths [B]
@@ -64,6 +67,7 @@ class _Graph:
     hidden: torch.Tensor  # [B * R, hidden]
     logits: torch.Tensor  # [B * R, vocab] fp32
     greedy: torch.Tensor  # [B * R] int64: argmax of each logits row, computed in the graph
+    accepted: torch.Tensor | None  # verify: [B, R + 1] int64, ForwardOutput.accepted
 
 
 class GraphRunner:
@@ -125,8 +129,10 @@ class GraphRunner:
         self.graphs[key] = g
         b = g.gdn.meta.slots.shape[0]
         # padding rows feed token 0 at position 0 into slot 0 / page 0 (never a real request)
-        ints = np.zeros(2 * b * rows, dtype=np.int64)
-        ids, pos = ints[:b * rows], ints[b * rows:]
+        ints = np.zeros(2 * b * rows + b, dtype=np.int64)
+        ids, pos = ints[:b * rows], ints[b * rows:2 * b * rows]
+        if self.phase is Phase.VERIFY:  # padding requests: no drafts, none accepted
+            ints[2 * b * rows:2 * b * rows + n] = batch.num_drafts or rows - 1
         on_device = batch.draft_ids is None and batch.draft_tensor is not None
         if on_device:  # the pending tokens from here, the drafts below from the device
             ids[:n * rows:rows] = [r.tokens(r.device_len, r.device_len + 1)[0]
@@ -151,21 +157,22 @@ class GraphRunner:
         g.attn.fill([r.page_table for r in batch.reqs], starts, runner.kv.page_size)
         out = g.replay()
         if out is not None:  # uncaptured: the eager step returned fresh tensors
-            g.hidden, g.logits, g.greedy = out
+            g.hidden, g.logits, g.greedy, g.accepted = out
         runner.last_gdn = g.gdn
         runner.last_slot_ids = slot_ids
         t = n * rows
         hidden = g.hidden[:t].clone() if keep_hidden else None
+        accepted = g.accepted[:n] if g.accepted is not None else None
         return ForwardOutput(g.logits[:t], [r for r in batch.reqs for _ in range(rows)], hidden,
-                             g.greedy[:t])
+                             g.greedy[:t], accepted)
 
     def _capture(self, b: int, write: int = 0) -> _Graph:
         """Capture (or, capture=False, build eagerly) the step of batch bucket b; a verify
         step writes runner.stashes[write] and takes pending rows from the other one."""
         runner, rows, dev = self.runner, self.rows, self.runner.device
         t = b * rows
-        ints = torch.zeros(2 * t, dtype=torch.long, device=dev)
-        input_ids, positions = ints[:t], ints[t:]
+        ints = torch.zeros(2 * t + b, dtype=torch.long, device=dev)
+        input_ids, positions, num_drafts = ints[:t], ints[t:2 * t], ints[2 * t:]
         attn = PagedMetadata.allocate(b, rows, self.max_kv_len, runner.kv.page_size, dev)
         meta = GDNMetadata(self.phase, torch.zeros(b, dtype=torch.int32, device=dev),
                            torch.arange(0, t + 1, rows, dtype=torch.int32, device=dev), rows)
@@ -175,19 +182,22 @@ class GraphRunner:
                                                                      device=dev))
         gdn = PoolGDNBackend(runner.state_pool, meta)
 
-        def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        def step() -> tuple[torch.Tensor, ...]:
             ctx = ForwardContext(positions=positions,
                                  attn=PagedAttentionBackend(runner.kv, attn), gdn=gdn)
             hidden = runner.model.forward(input_ids, ctx)
             logits = runner.model.compute_logits(hidden)
-            return hidden, logits, logits.argmax(dim=-1)
+            greedy = logits.argmax(dim=-1)
+            accepted = None
+            if rows > 1:  # the drafts are rows 1..k of each request's input ids
+                a = accept_greedy_rows(greedy, input_ids.view(b, rows)[:, 1:], num_drafts)
+                accepted = torch.cat([a[:, None], greedy.view(b, rows)], dim=1)
+            return hidden, logits, greedy, accepted
 
         if not self.capture:
-            hidden, logits, greedy = step()
-            return _Graph(step, ints, input_ids, positions, attn, gdn, hidden, logits, greedy)
-        graph, (hidden, logits, greedy) = capture(step, self.pool)
-        return _Graph(lambda: graph.replay(), ints, input_ids, positions, attn, gdn, hidden,
-                      logits, greedy)
+            return _Graph(step, ints, input_ids, positions, attn, gdn, *step())
+        graph, outputs = capture(step, self.pool)
+        return _Graph(lambda: graph.replay(), ints, input_ids, positions, attn, gdn, *outputs)
 
 
 def capture(step: Callable[[], Any], pool) -> tuple[torch.cuda.CUDAGraph, Any]:

@@ -306,7 +306,7 @@ class LLMEngine:
             greedy = None
         before = {r.rid: len(r.output_ids) for r in batch.reqs}
         if batch.phase is Phase.VERIFY:
-            sampled = spec.accept(batch, out.logits, greedy)
+            sampled = spec.accept(batch, out.logits, greedy, out.accepted)
             self.scheduler.process(batch, sampled,
                                    commit_rows=lambda counts: self._commit_verify(batch, counts))
         else:

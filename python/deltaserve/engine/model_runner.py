@@ -25,12 +25,16 @@ _TORCH = {np.int32: torch.int32, np.int64: torch.int64}
 class ForwardOutput:
     """logits [M, vocab] fp32 for the rows that are sampled; owners[i] is row i's request;
     hidden [T, hidden] (after the final norm) when a proposer asked for it, else None;
-    greedy [M] int64 on the device: logits.argmax(-1), when the step computed it (graphs)."""
+    greedy [M] int64 on the device: logits.argmax(-1), when the step computed it (graphs).
+    accepted [N, k+2] int64 on the device, a verify graph's greedy acceptance of its drafts:
+    per request [a, greedy of rows 0..k] (spec/accept.py's `accept_greedy_rows`, packed as
+    `pack_for_host` packs it); valid only where the sampled tokens are greedy's."""
 
     logits: torch.Tensor
     owners: list[Req]
     hidden: torch.Tensor | None = None
     greedy: torch.Tensor | None = None
+    accepted: torch.Tensor | None = None
 
 
 class ModelRunner:

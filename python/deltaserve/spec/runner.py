@@ -69,17 +69,21 @@ class SpecRunner:
             pad = d[-1] if d else req.tokens(req.num_tokens - 1, req.num_tokens)[0]
             batch.draft_ids.append(d + [pad] * (k - len(d)))
 
-    def accept(self, batch: Batch, logits: torch.Tensor,
-               greedy: torch.Tensor | None = None) -> dict[int, list[int]]:
+    def accept(self, batch: Batch, logits: torch.Tensor, greedy: torch.Tensor | None = None,
+               accepted: torch.Tensor | None = None) -> dict[int, list[int]]:
         """Tokens each request commits, from the verify logits [B * (k+1), V].
 
         All requests plain greedy (no penalties): acceptance on the device from the rows'
         argmax (`greedy` when the step computed it) and the drafts where they are
-        (spec/accept.py), one device->host copy of the accepted counts and tokens. Otherwise
+        (spec/accept.py), or the verify graph's own (`accepted`, ForwardOutput.accepted, only
+        with `greedy`), then one device->host copy of the accepted counts and tokens. Otherwise
         every row is sampled in one batched call and matched per request on the host (the
         drafts copied to the host once when they were on the device)."""
         rows = self.num_steps + 1
         if all(_plain_greedy(req.params) for req in batch.reqs):
+            if accepted is not None and greedy is not None:
+                return {req.rid: row[1:row[0] + 2]
+                        for req, row in zip(batch.reqs, accepted.tolist())}
             return self._accept_greedy(batch, logits, greedy)
         drafts = batch.host_drafts()
         sampling_rows = []
