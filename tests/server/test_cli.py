@@ -138,6 +138,28 @@ def test_a_bad_sampling_flag_is_refused_before_the_model_loads(flag, value, mess
         main(["generate", flag, value, "hi"])
 
 
+@pytest.mark.parametrize("prompts,stdin,message", [
+    (["hi", ""], "", "prompt 1 is empty"),
+    (["\udcff"], "", "prompt 0 is not valid UTF-8 (byte b'\\xff' at character 0)"),
+    ([], "def f():\nx\udcfe\n", "prompt 1 is not valid UTF-8 (byte b'\\xfe' at character 1)"),
+])
+def test_an_empty_or_undecodable_prompt_is_refused_before_the_model_loads(
+        prompts, stdin, message, monkeypatch):
+    """Bytes that are not UTF-8 reach Python as lone surrogates (argv and stdin decode with
+    surrogateescape); the tokenizer would fail on them with a TypeError after loading."""
+    import io
+
+    import deltaserve.server.cli as cli
+
+    def load(args):
+        raise AssertionError("the model was loaded before the prompts were checked")
+
+    monkeypatch.setattr(cli, "_make_engine", load)
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    with pytest.raises(SystemExit, match=f"deltaserve: error: {re.escape(message)}"):
+        main(["generate", *prompts])
+
+
 def test_ctrl_c_in_generate_exits_130_without_a_traceback(monkeypatch, capsys):
     import deltaserve.server.cli as cli
 

@@ -196,6 +196,15 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("deltaserve generate: no prompts given", file=sys.stderr)
         return 2
+    for n, p in enumerate(prompts):  # before minutes of model loading
+        if not p:
+            raise SystemExit(f"deltaserve: error: prompt {n} is empty")
+        try:  # undecodable argv / stdin bytes arrive as lone surrogates (surrogateescape)
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise SystemExit(f"deltaserve: error: prompt {n} is not valid UTF-8 (byte "
+                             f"{e.object[e.start].encode('utf-8', 'surrogateescape')!r} at "
+                             f"character {e.start})") from None
     # the chat template's own last token ("\n" after the assistant tag) is not the user's
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos,
