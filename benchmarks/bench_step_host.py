@@ -36,8 +36,31 @@ KINDS = {"decode": {}, "mtp": {"speculative_algorithm": "mtp"},
 PROMPT = "def f(x):\n    return x\n" * 8  # repetitive: the n-gram proposer finds drafts
 
 
+class SyncClock:
+    """Host time from each verify step's sync (its accepted tokens reach the host) to the next
+    graph replay: on a GPU the device idles for that long (the host's critical path); what
+    comes after a replay runs beside the device's work."""
+
+    def __init__(self) -> None:
+        self.synced: float | None = None
+        self.gaps: list[float] = []
+
+    def replay(self) -> None:
+        if self.synced is not None:
+            self.gaps.append(time.perf_counter() - self.synced)
+            self.synced = None
+
+    def timed_accept(self, accept):
+        def wrapped(*args, **kwargs):
+            out = accept(*args, **kwargs)
+            self.synced = time.perf_counter()
+            return out
+        return wrapped
+
+
 def stubbed_engine(kind: str, batch: int) -> LLM:
-    """An LLM whose step graphs run no model after a warm-up step of `batch` requests."""
+    """An LLM whose step graphs run no model after a warm-up step of `batch` requests
+    (`llm.clock`: a SyncClock on its replays)."""
     spec = KINDS[kind]
     kw = dict(spec, speculative_num_steps=3, speculative_policy="fixed") if spec else {}
     llm = LLM(None, device="cpu", dtype="float32", enable_prefix_cache=False,
@@ -54,30 +77,38 @@ def stubbed_engine(kind: str, batch: int) -> LLM:
     graphs = list(eng.graphs.graphs.values())
     if mtp:
         graphs += list(eng.spec.proposer.graphs.graphs.values())
+    llm.clock = SyncClock()
     for g in graphs:
-        g.replay = lambda: None  # the warm-up's outputs stay in the graph's output buffers
+        g.replay = llm.clock.replay  # the warm-up's outputs stay in the graph's output buffers
     eng.runner.commit_verify = lambda counts: None
+    if spec:
+        eng.spec.accept = llm.clock.timed_accept(eng.spec.accept)
     llm.prompt = prompt
     return llm
 
 
-def host_us_per_step(llm: LLM, batch: int, max_tokens: int) -> tuple[float, float]:
-    """Best of three: (µs of host time per decode / verify step of `batch` requests, tokens
-    committed per request per step). The stubbed graphs' outputs are stale, so a verify step
-    commits what its warm-up outputs accept: compare kinds and commits per token too."""
-    eng, best = llm.engine, float("inf")
+def host_us_per_step(llm: LLM, batch: int, max_tokens: int) -> tuple[float, float, float]:
+    """Best of three: (µs of host time per decode / verify step of `batch` requests, µs of it
+    from a verify step's sync to the next replay (SyncClock; 0 for decode), tokens committed
+    per request per step). The stubbed graphs' outputs are stale, so a verify step commits
+    what its warm-up outputs accept: compare kinds and commits per token too."""
+    eng, best, best_gap = llm.engine, float("inf"), float("inf")
     for _ in range(3):
         for _ in range(batch):
             eng.add_request(list(llm.prompt), SamplingParams(
                 temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         while eng.scheduler.waiting or any(r.in_prefill for r in eng.scheduler.running):
             eng.step()
+        llm.clock.gaps.clear()
+        llm.clock.synced = None  # the prefill steps since the last sync are not a step's gap
         n0, t0 = eng.num_steps, time.perf_counter()
         while eng.has_unfinished():
             eng.step()
         steps = eng.num_steps - n0
         best = min(best, (time.perf_counter() - t0) / steps)
-    return best * 1e6, (max_tokens - 1) / steps
+        gaps = llm.clock.gaps
+        best_gap = min(best_gap, sum(gaps) / len(gaps) if gaps else 0.0)
+    return best * 1e6, best_gap * 1e6, (max_tokens - 1) / steps
 
 
 def main() -> None:
@@ -92,12 +123,13 @@ def main() -> None:
     for kind in args.kinds.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             llm = stubbed_engine(kind, batch)
-            us, per_step = host_us_per_step(llm, batch, args.max_tokens)
+            us, gap, per_step = host_us_per_step(llm, batch, args.max_tokens)
             results.append({"kind": kind, "batch": batch, "us_per_step": round(us, 1),
                             "us_per_request": round(us / batch, 2),
+                            "us_sync_to_replay": round(gap, 1),
                             "tokens_per_step": round(per_step, 2)})
-            print(f"{kind:7s} batch {batch:3d}: {us:7.0f} us per step, "
-                  f"{us / batch:6.1f} us per request, {per_step:.2f} tokens per step")
+            print(f"{kind:7s} batch {batch:3d}: {us:7.0f} us per step ({gap:4.0f} from sync to "
+                  f"replay), {us / batch:6.1f} us per request, {per_step:.2f} tokens per step")
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=2)
 

@@ -164,6 +164,7 @@ class LLMEngine:
         # (with speculation: the adaptive policy's plain decode steps)
         self.overlap = (OverlapScheduler(self) if cfg.overlap_schedule
                         and cfg.tensor_parallel_size == 1 else None)
+        self._deferred: tuple | None = None  # emit()'s arguments for a verify step's outputs
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
@@ -246,7 +247,7 @@ class LLMEngine:
         return min(self.max_model_len, self.scheduler.max_request_len())
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._deferred is not None or self.scheduler.has_unfinished()
 
     def flush_cache(self) -> None:
         self.prefix_cache.flush()
@@ -277,7 +278,7 @@ class LLMEngine:
         if self.overlap is not None:
             return self.overlap.step()
         batch = self.scheduler.schedule()
-        return self.run_batch(batch) if batch is not None else []
+        return self.run_batch(batch) if batch is not None else self.flush_outputs()
 
     def run_batch(self, batch: Batch) -> list[RequestOutput]:
         """Run a scheduled batch synchronously (forward, grammar and healing masks, sampling,
@@ -293,6 +294,7 @@ class LLMEngine:
             out = graphs.forward(batch, keep_hidden)
         if out is None:
             out = self.runner.forward(batch, keep_hidden)
+        early = self.flush_outputs()  # the last verify step's, while this forward runs
         if spec is not None:
             spec.on_forward(batch, out.hidden)
         constrained = [r for r in batch.reqs if r.grammar is not None]
@@ -325,7 +327,19 @@ class LLMEngine:
         logprobs = step_logprobs(out.logits, out.owners, new_by_rid)
         for req in constrained:
             GrammarBackend.advance(req, new_by_rid[req.rid])
-        return self.emit(batch.reqs, new_by_rid, logprobs)
+        if batch.phase is Phase.VERIFY:
+            self._deferred = (batch.reqs, new_by_rid, logprobs)
+            return early
+        return early + self.emit(batch.reqs, new_by_rid, logprobs)
+
+    def flush_outputs(self) -> list[RequestOutput]:
+        """The outputs of the last verify step, which run_batch leaves to the next step's call:
+        their detokenizing and building (40% of a batch-32 MTP verify step's host work,
+        bench_step_host.py) then runs while that step's forward does, off the critical path.
+        Every step flushes them before it commits anything (run_batch after its forward, the
+        overlap scheduler when it launches or finds nothing to run), so outputs stay in order."""
+        d, self._deferred = self._deferred, None
+        return self.emit(*d) if d is not None else []
 
     def emit(self, reqs: list[Req], new_by_rid: dict[int, list[int]],
              logprobs: dict[int, list[TokenLogprob]] | None = None) -> list[RequestOutput]:
