@@ -20,24 +20,24 @@ def ckpt(tmp_path_factory):
                                     seed=7))
 
 
-def spec_engine(ckpt: str | None, batch: list[list[int]], plain: list[list[int]]):
+def started(ckpt: str | None, seed: int):
     """An n-gram engine (fixed policy: every decode step a verify) whose stub proposer drafts
-    the plain run's tokens, some corrupted (test_verify_contract.StubProposer)."""
+    the plain run's tokens, some corrupted (test_verify_contract.StubProposer), with the
+    prompts of `seed` added. Returns (llm, rids, each one's plain greedy tokens)."""
+    batch = prompts(seed=seed)
+    plain = [o.token_ids for o in LLM(ckpt, device="cpu", dtype="float32", num_pages=512,
+                                      page_size=16).generate(batch, GREEDY)]
     llm = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=16,
               speculative_algorithm="ngram", speculative_num_steps=3,
               speculative_policy="fixed")
     llm.engine.spec.proposer = StubProposer(3, {tuple(p): o for p, o in zip(batch, plain)}, 512)
-    return llm
+    return llm, [llm.engine.add_request(p, GREEDY) for p in batch], plain
 
 
 def test_verify_outputs_come_with_the_next_call_in_order_and_once():
     """On the embedded model (it has a tokenizer): the text handed out is the tokens' too."""
-    batch = prompts(seed=8)
-    plain = [o.token_ids for o in LLM(None, device="cpu", dtype="float32", num_pages=512,
-                                      page_size=16).generate(batch, GREEDY)]
-    llm = spec_engine(None, batch, plain)
+    llm, rids, plain = started(None, seed=8)
     eng = llm.engine
-    rids = [eng.add_request(p, GREEDY) for p in batch]
     got = {rid: [] for rid in rids}
     text = {rid: "" for rid in rids}
     finished = []
@@ -59,12 +59,8 @@ def test_verify_outputs_come_with_the_next_call_in_order_and_once():
 
 
 def test_an_abort_while_outputs_are_deferred_loses_and_leaks_nothing(ckpt):
-    batch = prompts(seed=9)
-    plain = [o.token_ids for o in LLM(ckpt, device="cpu", dtype="float32", num_pages=512,
-                                      page_size=16).generate(batch, GREEDY)]
-    llm = spec_engine(ckpt, batch, plain)
+    llm, rids, plain = started(ckpt, seed=9)
     eng = llm.engine
-    rids = [eng.add_request(p, GREEDY) for p in batch]
     got = {rid: [] for rid in rids}
     while eng._deferred is None:
         for out in eng.step():
