@@ -280,8 +280,9 @@ class TPSpec:
                           "using rank 0's", RuntimeWarning, stacklevel=2)
         batch.draft_ids, batch.num_drafts = theirs
 
-    def accept(self, batch: Batch, logits, greedy=None) -> dict[int, list[int]]:
-        out = self.inner.accept(batch, logits, greedy) if self.engine.rank == 0 else None
+    def accept(self, batch: Batch, logits, greedy=None, accepted=None) -> dict[int, list[int]]:
+        out = (self.inner.accept(batch, logits, greedy, accepted) if self.engine.rank == 0
+               else None)
         return self.engine.decide("accepted", out)
 
     def on_forward(self, batch: Batch, hidden) -> None:

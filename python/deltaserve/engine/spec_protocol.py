@@ -29,10 +29,12 @@ class SpecRuntime(Protocol):
     def use_graphs(self, max_reqs: int, max_kv_len: int, capture: bool = True) -> None:
         """The engine's decode/verify steps run as CUDA graphs (see Proposer.use_graphs)."""
 
-    def accept(self, batch: Batch, logits: torch.Tensor,
-               greedy: torch.Tensor | None = None) -> dict[int, list[int]]:
+    def accept(self, batch: Batch, logits: torch.Tensor, greedy: torch.Tensor | None = None,
+               accepted: torch.Tensor | None = None) -> dict[int, list[int]]:
         """Tokens to commit per request id from the verify logits [N * (k+1), V] (fp32);
-        greedy [N * (k+1)] int64 (device), when given, is logits.argmax(-1) already computed."""
+        greedy [N * (k+1)] int64 (device), when given, is logits.argmax(-1) already computed;
+        accepted [N, k+2] int64 (device), when given with greedy, the verify graph's greedy
+        acceptance (ForwardOutput.accepted)."""
 
     def on_forward(self, batch: Batch, hidden: torch.Tensor | None) -> None:
         """After the target's forward of any batch (prefill, decode or verify)."""
