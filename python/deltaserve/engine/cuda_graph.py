@@ -16,8 +16,9 @@ pinned host memory and copied without blocking (engine/staging.py); the argmax i
 lets a greedy step copy only its tokens back, and a verify graph also compares the drafts
 with it (the greedy acceptance, `ForwardOutput.accepted`), so a greedy verify step launches
 nothing between its replay and the one copy back. A verify graph always takes pending rows
-from a static int32 buffer (zeros when none are pending for its batch). MoE models are captured when
-their experts run without a host sync at the largest batch (`model.mlp.moe_graph_safe`).
+from a static int32 buffer (zeros when none are pending for its batch). MoE models are
+captured when their experts run without a host sync at the largest batch
+(`model.mlp.moe_graph_safe`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from deltaserve.engine.attention import PagedAttentionBackend, PagedMetadata
 from deltaserve.engine.gdn_backend import GDNMetadata, PoolGDNBackend
 from deltaserve.engine.model_runner import ForwardOutput, ModelRunner
 from deltaserve.engine.staging import copy_into, row_positions
-from deltaserve.spec.accept import accept_greedy_rows
+from deltaserve.spec.accept import pack_greedy
 
 
 def buckets(limit: int, start: int) -> list[int]:
@@ -188,10 +189,9 @@ class GraphRunner:
             hidden = runner.model.forward(input_ids, ctx)
             logits = runner.model.compute_logits(hidden)
             greedy = logits.argmax(dim=-1)
-            accepted = None
-            if rows > 1:  # the drafts are rows 1..k of each request's input ids
-                a = accept_greedy_rows(greedy, input_ids.view(b, rows)[:, 1:], num_drafts)
-                accepted = torch.cat([a[:, None], greedy.view(b, rows)], dim=1)
+            # verify: the drafts are rows 1..k of each request's input ids
+            accepted = (pack_greedy(greedy, input_ids.view(b, rows)[:, 1:], num_drafts)
+                        if rows > 1 else None)
             return hidden, logits, greedy, accepted
 
         if not self.capture:

@@ -27,8 +27,8 @@ class ForwardOutput:
     hidden [T, hidden] (after the final norm) when a proposer asked for it, else None;
     greedy [M] int64 on the device: logits.argmax(-1), when the step computed it (graphs).
     accepted [N, k+2] int64 on the device, a verify graph's greedy acceptance of its drafts:
-    per request [a, greedy of rows 0..k] (spec/accept.py's `accept_greedy_rows`, packed as
-    `pack_for_host` packs it); valid only where the sampled tokens are greedy's."""
+    per request [a, greedy of rows 0..k] (spec/accept.py's `pack_greedy`); valid only where
+    the sampled tokens are greedy's."""
 
     logits: torch.Tensor
     owners: list[Req]

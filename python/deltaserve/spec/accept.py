@@ -29,8 +29,11 @@ def accept_greedy_rows(greedy: torch.Tensor, drafts: torch.Tensor,
     return match.long().cumprod(dim=1).sum(dim=1)
 
 
-def pack_for_host(accepted: torch.Tensor, greedy: torch.Tensor) -> list[list[int]]:
-    """One copy to the host: per request [a, the targets of rows 0..k] (accepted [N], greedy
-    [N * (k+1)]); request i commits row[1:row[0] + 2]."""
-    n = accepted.shape[0]
-    return torch.cat([accepted[:, None], greedy.view(n, -1)], dim=1).tolist()
+def pack_greedy(greedy: torch.Tensor, drafts: torch.Tensor,
+                num_drafts: torch.Tensor | None = None) -> torch.Tensor:
+    """The greedy acceptance packed for one copy to the host: int64 [N, k+2], per request
+    [a, the targets of rows 0..k] (`accept_greedy_rows`' arguments); request i commits
+    row[1:row[0] + 2]. A verify CUDA graph computes it in the graph."""
+    n = drafts.shape[0]
+    accepted = accept_greedy_rows(greedy, drafts, num_drafts)
+    return torch.cat([accepted[:, None], greedy.view(n, -1)], dim=1)

@@ -10,7 +10,7 @@ import torch
 
 from deltaserve.engine.sampling import SamplingRow, sample_rows
 from deltaserve.engine.staging import to_device
-from deltaserve.spec.accept import accept_greedy_rows, pack_for_host
+from deltaserve.spec.accept import pack_greedy
 from deltaserve.spec.proposer import Proposer
 from deltaserve.spec.rejection import accept, verify_rows
 
@@ -81,10 +81,8 @@ class SpecRunner:
         drafts copied to the host once when they were on the device)."""
         rows = self.num_steps + 1
         if all(_plain_greedy(req.params) for req in batch.reqs):
-            if accepted is not None and greedy is not None:
-                return {req.rid: row[1:row[0] + 2]
-                        for req, row in zip(batch.reqs, accepted.tolist())}
-            return self._accept_greedy(batch, logits, greedy)
+            return self._accept_greedy(batch, logits, greedy,
+                                       accepted if greedy is not None else None)
         drafts = batch.host_drafts()
         sampling_rows = []
         for i, req in enumerate(batch.reqs):
@@ -95,20 +93,21 @@ class SpecRunner:
                                 drafts[i][:batch.num_drafts[i]])
                 for i, req in enumerate(batch.reqs)}
 
-    def _accept_greedy(self, batch: Batch, logits: torch.Tensor,
-                       greedy: torch.Tensor | None) -> dict[int, list[int]]:
-        k = self.num_steps
-        if greedy is None:
-            greedy = logits.argmax(dim=-1)
-        drafts = batch.draft_tensor if batch.draft_ids is None else None
-        if drafts is None:  # drafts made on the host (n-gram): one staged copy to the device
-            drafts = to_device(np.asarray(batch.draft_ids, dtype=np.int64).reshape(-1),
-                               torch.long, greedy.device).view(batch.size, k)
-        num = None
-        if any(n != k for n in batch.num_drafts):
-            num = to_device(batch.num_drafts, torch.long, greedy.device)
-        packed = pack_for_host(accept_greedy_rows(greedy, drafts, num), greedy)
-        return {req.rid: row[1:row[0] + 2] for req, row in zip(batch.reqs, packed)}
+    def _accept_greedy(self, batch: Batch, logits: torch.Tensor, greedy: torch.Tensor | None,
+                       packed: torch.Tensor | None) -> dict[int, list[int]]:
+        if packed is None:  # not computed in the verify graph: the same ops here
+            k = self.num_steps
+            if greedy is None:
+                greedy = logits.argmax(dim=-1)
+            drafts = batch.draft_tensor if batch.draft_ids is None else None
+            if drafts is None:  # drafts made on the host (n-gram): one staged copy
+                drafts = to_device(np.asarray(batch.draft_ids, dtype=np.int64).reshape(-1),
+                                   torch.long, greedy.device).view(batch.size, k)
+            num = None
+            if any(n != k for n in batch.num_drafts):
+                num = to_device(batch.num_drafts, torch.long, greedy.device)
+            packed = pack_greedy(greedy, drafts, num)
+        return {req.rid: row[1:row[0] + 2] for req, row in zip(batch.reqs, packed.tolist())}
 
     def on_forward(self, batch: Batch, hidden) -> None:
         self.proposer.on_forward(batch, hidden)
