@@ -128,9 +128,12 @@ def test_gpu_overlapped_plain_steps_between_mtp_verify_steps_keep_plain_tokens(c
     plain = [o.token_ids for o in make(ckpt).generate(batch, params)]
     llm = spec(ckpt, graphs=True, policy="adaptive")
     eng = llm.engine
-    PatternPolicy(K, "vvdddddvdd").install(eng)
+    policy = PatternPolicy(K, "vvdddddvdd").install(eng)
     outs = [o.token_ids for o in llm.generate(batch, params)]
-    assert eng.overlap.overlapped_steps > 5 and eng.spec.proposer.graphs.steps > 5
+    # every verify step's drafts came from one replay (4 of them on this workload on the CPU)
+    verify_steps = sum(k > 0 for k in policy.seen)
+    assert eng.overlap.overlapped_steps > 5 and verify_steps >= 3
+    assert eng.spec.proposer.graphs.steps == verify_steps
     assert eng.decode_graphs.graphs
     for prompt, p, a, b in zip(batch, params, plain, outs):
         ref = reference_greedy(ckpt, prompt, p.max_tokens)
