@@ -84,8 +84,11 @@ def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
     llm.generate(prompts, params)  # warm-up
     if algo is not None and policy != "fixed":
         warm_both_kinds(llm, prompts, params)
+    before = graph_counts(llm.engine)
     decode_s = time_decode(llm, prompts, one, params, device)
     eng = llm.engine
+    # captures and eager steps inside the timed run (each capture costs tens of ms)
+    timed_counts = {key: graph_counts(eng)[key] - n for key, n in before.items()}
     eng.spec_steps = eng.spec_committed = 0
     gaps = record_gaps(llm, prompts, params) if algo is None else {}
     costs = step_costs(llm, prompts, params, device) if algo is not None else {}
@@ -97,8 +100,20 @@ def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
             "decode_tok_s": batch * (max_tokens - 1) / max(decode_s, 1e-9),
             "step_s": decode_s / max(max_tokens - 1, 1),
             "acceptance_length": eng.acceptance_length if algo is not None else None,
-            "tokens": tokens,
+            "tokens": tokens, "timed_counts": timed_counts,
             "gaps": gaps.get("gaps"), **costs}
+
+
+def graph_counts(eng) -> dict[str, int]:
+    """Graphs captured so far and steps run eagerly, per graph runner of the engine."""
+    out = {}
+    proposer = getattr(eng.spec, "proposer", None) if eng.spec is not None else None
+    for name, g in (("verify_or_decode", eng.graphs), ("plain", eng.decode_graphs),
+                    ("mtp", getattr(proposer, "graphs", None))):
+        if g is not None:
+            out[f"{name}_captures"] = len(g.graphs)
+            out[f"{name}_eager"] = getattr(g, "eager_steps", 0)
+    return out
 
 
 def warm_both_kinds(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> None:
@@ -260,6 +275,10 @@ def main() -> None:
               f"{fmt(r.get('draft_x'), '.2f'):>7s} "
               f"{fmt(share * 100 if share is not None else None, '.0f'):>7s} "
               f"{r.get('same', '-')}/{r.get('near_ties', '-')}/{r.get('diff', '-')}")
+    for r in rows:  # what happened inside the timed run besides graph replays
+        busy = {key: n for key, n in r["timed_counts"].items() if n}
+        if busy:
+            print(f"timed run of {r['algo']} {r['policy']} batch {r['batch']}: {busy}")
     for r in rows:
         r.pop("tokens")
         r.pop("gaps")
