@@ -54,6 +54,9 @@ class EngineConfig:
     # with cuda_graphs and the mtp proposer: the MTP catch-up + drafts as graphs too (the GPU
     # tests passed on 12-04, tests/spec/test_gpu_mtp_graph.py); False: the eager proposer
     mtp_cuda_graphs: bool = True
+    # capture every batch bucket's graphs at start-up (vLLM, SGLang) instead of on first use,
+    # which stalls the step that first meets a bucket
+    capture_graphs_at_start: bool = True
     log_every: int = 0  # step log line every N steps; 0 = off
 
     def resolve_speculation(self) -> None:

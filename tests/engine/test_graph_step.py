@@ -60,3 +60,31 @@ def test_padded_fixed_shape_steps_give_the_eager_tokens(ckpt, spec):
         pool = static.engine.state_pool
         assert pool.n_taken > 0 and not pool.has_pending
     assert_drained(static.engine)
+
+
+@pytest.mark.parametrize("spec", [None, "mtp"])
+def test_graphs_captured_at_start_cover_every_bucket_and_keep_the_tokens(ckpt, spec, tmp_path):
+    """capture_all builds every bucket's step up front (both stash parities for verify, and
+    the MTP proposer's steps): a later batch finds its graph, and the tokens do not change."""
+    kw = dict(device="cpu", dtype="float32", num_pages=512, page_size=16, max_running_reqs=6)
+    path = ckpt
+    if spec:
+        path = str(make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=9, with_mtp=True))
+        kw.update(speculative_algorithm=spec, speculative_num_steps=3, speculative_policy="fixed")
+    eager = LLM(path, **kw)
+    static = LLM(path, **kw)
+    runner = with_static_steps(static)
+    want_keys = ({(b, w) for b in (1, 2, 4, 6) for w in (0, 1)} if spec
+                 else {(b,) for b in (1, 2, 4, 6)})
+    assert runner.capture_all() == len(want_keys)
+    assert set(runner.graphs) == want_keys
+    assert runner.capture_all() == 0  # nothing left to capture
+    if spec:
+        static.engine.spec.use_graphs(6, static.engine.max_model_len, capture=False)
+        mtp = static.engine.spec.proposer.graphs
+        assert mtp.capture_all() == 4 and set(mtp.graphs) == {1, 2, 4, 6}
+    want = [o.token_ids for o in eager.generate(prompts(), GREEDY)]
+    got = [o.token_ids for o in static.generate(prompts(), GREEDY)]
+    assert got == want
+    assert set(runner.graphs) == want_keys and runner.graph_steps > 0
+    assert_drained(static.engine)

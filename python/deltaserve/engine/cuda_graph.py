@@ -109,6 +109,19 @@ class GraphRunner:
         return None if b is None else (b,)
 
     @torch.inference_mode()
+    def capture_all(self) -> int:
+        """Capture every batch bucket's graph now (both stash parities for verify), as vLLM
+        and SGLang do at start-up: a capture on first use stalls the step that meets a new
+        bucket (tens of ms to seconds), and did inside bench_spec's timed runs. Returns the
+        number of graphs captured."""
+        keys = [(b, w) if self.phase is Phase.VERIFY else (b,)
+                for b in self.batch_buckets for w in (0, 1)[:2 if self.rows > 1 else 1]]
+        new = [key for key in keys if key not in self.graphs]
+        for key in new:
+            self.graphs[key] = self._capture(*key)
+        return len(new)
+
+    @torch.inference_mode()
     def forward(self, batch: Batch, keep_hidden: bool = False,
                 device_tokens: DeviceTokens | None = None) -> ForwardOutput | None:
         """Run `batch` through its bucket's graph; None when no bucket fits (run eagerly).

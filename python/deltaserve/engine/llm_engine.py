@@ -165,6 +165,19 @@ class LLMEngine:
         self.overlap = (OverlapScheduler(self) if cfg.overlap_schedule
                         and cfg.tensor_parallel_size == 1 else None)
         self._deferred: tuple | None = None  # emit()'s arguments for a verify step's outputs
+        if cfg.capture_graphs_at_start:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """Every CUDA graph of every batch bucket now (GraphRunner.capture_all)."""
+        proposer = getattr(self.spec, "proposer", None)
+        runners = [self.graphs, self.decode_graphs, getattr(proposer, "graphs", None)]
+        runners = [g for g in runners if g is not None and g.capture]
+        if not runners:
+            return
+        start = time.perf_counter()
+        n = sum(g.capture_all() for g in runners)
+        logger.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - start)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,

@@ -62,6 +62,8 @@ _HELP = {
                              "the engine declares the rank dead",
     "mtp_cuda_graphs": "run the MTP proposer's catch-up and draft steps eagerly instead of "
                        "as CUDA graphs (needs --speculative-algorithm mtp)",
+    "capture_graphs_at_start": "capture each CUDA graph when its batch size is first met "
+                               "instead of all of them at start-up",
     "log_every": "log a step line every N steps (0: off)",
     "seed": "engine random seed",
 }

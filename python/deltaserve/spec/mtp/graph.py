@@ -77,6 +77,15 @@ class MTPGraphs:
         return next((x for x in self.batch_buckets if x >= num_reqs), None)
 
     @torch.inference_mode()
+    def capture_all(self) -> int:
+        """Capture every batch bucket's step now (see GraphRunner.capture_all); returns the
+        number captured."""
+        new = [b for b in self.batch_buckets if b not in self.graphs]
+        for b in new:
+            self.graphs[b] = self._capture(b)
+        return len(new)
+
+    @torch.inference_mode()
     def run(self, b: int, ids: np.ndarray, gather: np.ndarray, mtp_lens: list[int],
             counts: list[int], page_tables: list[list[int]], src: torch.Tensor) -> torch.Tensor:
         """Replay bucket b for len(mtp_lens) = n <= b requests; returns drafts int64 [n, k] on
