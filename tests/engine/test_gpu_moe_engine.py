@@ -9,7 +9,7 @@ import pytest
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
 from drained import assert_drained
-from oracle import assert_same_greedy, assert_same_runs, reference_greedy
+from oracle import Reference, assert_same_greedy, assert_same_runs, reference_greedy, router_margin
 from token_ids import random_tokens as tokens
 
 pytestmark = pytest.mark.gpu
@@ -55,14 +55,27 @@ def test_gpu_moe_mtp_speculation_gives_the_tokens_of_plain_decode(ckpt):
         assert_same_runs(b, a, ref, f"mtp vs plain len {len(prompt)}", eps=GPU_EPS)
 
 
+def clear_prompt(ckpt: str, n: int) -> tuple[list[int], Reference]:
+    """The first seeded n-token prompt whose first generated token bf16 cannot legitimately
+    change: the fp32 reference's top-2 logit gap >= 0.25 and no router near-tie (margin >= 0.1,
+    `router_margin`) at the last prompt token. Seed 7 had a 0.021 router margin in layer 1,
+    and the bf16 GPU run took the other expert there (12-04)."""
+    for seed in range(7, 47):
+        prompt = tokens(n, seed=seed)
+        ref = reference_greedy(ckpt, prompt, GREEDY.max_tokens)
+        if ref.gaps[0] >= 0.25 and router_margin(ckpt, prompt) >= 0.1:
+            return prompt, ref
+    raise AssertionError("no clear prompt in 40 seeds")
+
+
 def test_gpu_moe_in_bfloat16_runs_grouped_gemms_in_graphs_close_to_the_reference(ckpt):
-    prompt = tokens(100, seed=7)
+    # 300 prompt tokens: the prefill takes the grouped GEMMs (the fused kernels take <= 256)
+    prompt, ref = clear_prompt(ckpt, 300)
     llm = make(ckpt, dtype="bfloat16")
     assert llm.engine.graphs is not None
     (out,) = llm.generate([prompt], GREEDY)
     (eager,) = make(ckpt, dtype="bfloat16", cuda_graphs=False).generate([prompt], GREEDY)
     assert llm.engine.graphs.graphs
-    ref = reference_greedy(ckpt, prompt, GREEDY.max_tokens)
-    # bf16 weights: the first token must agree unless the reference is within bf16 noise
-    assert out.token_ids[0] == ref.tokens[0] or ref.gaps[0] < 0.25
+    # bf16 weights: the first token must agree (the prompt has no tie bf16 may break)
+    assert out.token_ids[0] == ref.tokens[0]
     assert_same_runs(out.token_ids, eager.token_ids, ref, "bf16 graphs vs eager", eps=0.25)
