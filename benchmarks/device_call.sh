@@ -33,6 +33,20 @@ has profmtp && TAILN=12 run profmtp 170 python3 benchmarks/profile_step.py --mod
 has stepoff && DS_GEMV_MAX_ROWS=0 run stepoff 90 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --disable-overlap-schedule --out "$OUT/stepoff.json"
 has e2e08 && TAILN=30 run e2e08 ${E2E_T:-240} python3 benchmarks/bench_e2e.py --vocab 248320 --profile --out "$OUT/e2e08.json"
 has e2edef && TAILN=20 run e2edef 150 python3 benchmarks/bench_e2e.py --model default --out "$OUT/e2edef.json"
+# same-call A/B of python-only changes: the default model under build/ab/ref's python (made by
+# `bash benchmarks/ab_prepare.sh <commit>`; it shares this extension, so csrc must be the same)
+# and under HEAD's, twice each in turn (this host-bound model's runs vary up to 2x)
+if has e2edef_ab; then
+  cp python/deltaserve/_C*.so build/ab/ref/python/deltaserve/
+  cp python/deltaserve/default_model/files/model.safetensors build/ab/ref/python/deltaserve/default_model/files/
+  head_path=$PYTHONPATH; i=0
+  for side in ref head ref head; do
+    i=$((i + 1)); export PYTHONPATH=$head_path
+    [ $side = ref ] && export PYTHONPATH=/tmp/site:$PWD/build/ab/ref/python
+    TAILN=8 run e2edef_$side$i 120 python3 benchmarks/bench_e2e.py --model default --out "$OUT/e2edef_$side$i.json"
+  done
+  export PYTHONPATH=$head_path
+fi
 has moebench && TAILN=20 run moebench 90 python3 benchmarks/bench_moe.py --out "$OUT/moe.json"
 has moe35 && TAILN=25 run moe35 ${MOE_T:-300} python3 benchmarks/bench_e2e.py --config qwen3.6-35b-a3b --out "$OUT/moe35.json"
 has long && TAILN=10 run long 150 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --out "$OUT/long.json"
