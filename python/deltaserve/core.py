@@ -248,6 +248,10 @@ class Req:
         self.output_ids.append(token)
         self._check()
 
+    def extend_output(self, tokens: list[int]) -> None:
+        self.output_ids.extend(tokens)
+        self._check()
+
     def launch_ahead(self) -> None:
         """An overlapped decode row was launched before the host processed this request's
         previous ones: it feeds the token the last of them samples, at position device_len +

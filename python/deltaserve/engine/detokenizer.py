@@ -46,6 +46,17 @@ class IncrementalDetokenizer:
             return False  # nothing to look for: decoded when the text is taken
         return self._advance(final=False)
 
+    @property
+    def watches_stops(self) -> bool:
+        """Whether `append` searches for stop strings (else it only records the id)."""
+        return self.tokenizer is not None and bool(self.stop)
+
+    def extend(self, tokens: list[int]) -> None:
+        """`append` of each token, for a detokenizer that does not watch for stop strings."""
+        assert not self.watches_stops, "stop strings are found one token at a time (append)"
+        if not self.stopped:
+            self.ids.extend(tokens)
+
     def _advance(self, final: bool) -> bool:
         """Move the pending tokens' text into `text` (if complete, or `final`); stop check."""
         if self._read == len(self.ids):

@@ -301,7 +301,34 @@ class Scheduler:
 
     def _commit_tokens(self, req: Req, tokens: list[int]) -> int:
         """Append `tokens` in order, stopping at the first that finishes `req`; returns how
-        many were committed."""
+        many were committed. Without stop strings the first finishing token is found from
+        the stop ids and the length room at once and the tokens go in with one extend (a
+        per-token commit was 175 µs of a batch-32 verify step's host time, bench_step_host);
+        `_commit_each` is the same rule token by token."""
+        detok = req.detok
+        if len(tokens) == 1 or (detok is not None and detok.watches_stops):
+            return self._commit_each(req, tokens)  # a decode step's one token: as cheap
+        p = req.params
+        # the token that reaches max_tokens or max_len finishes by length (at least the first:
+        # a running request always has room for one)
+        n = max(1, min(p.max_tokens - len(req.output_ids), req.max_len - req.num_tokens))
+        reason = FinishReason.LENGTH if n <= len(tokens) else None
+        n = min(n, len(tokens))
+        ends, stops = (() if p.ignore_eos else self.eos_ids), p.stop_token_ids
+        if ends or stops:  # a stop id first (also on the token that reaches the length)
+            for i in range(n):
+                if tokens[i] in ends or tokens[i] in stops:
+                    n, reason = i + 1, FinishReason.STOP
+                    break
+        req.extend_output(tokens[:n])
+        if detok is not None:  # a stop id's own text is not output
+            detok.extend(tokens[:n - 1] if reason is FinishReason.STOP else tokens[:n])
+        if reason is not None:
+            req.finish(reason)
+        return n
+
+    def _commit_each(self, req: Req, tokens: list[int]) -> int:
+        """`_commit_tokens` one token at a time: a stop string is searched after each."""
         for i, token in enumerate(tokens):
             req.append_output(token)
             reason = self._stop_reason(req, token)
