@@ -221,19 +221,24 @@ class MTPProposer(Proposer):
         single = len({id(p.src) for st in states for p in st.pending}) == 1
         pieces: list[torch.Tensor] = []
         total = 0  # rows in pieces
-        ids = np.zeros(b * rows, dtype=np.int64)
-        gather = np.zeros(b * rows, dtype=np.int64)
+        # flat lists, then one numpy write each (a slice write per request was ~3 µs of host
+        # time a request at batch 32)
+        at: list[int] = []  # rows of ids / gather that real rows fill
+        tok: list[int] = []
+        src_rows: list[int] = []
         for i, (req, st) in enumerate(zip(reqs, states)):
-            ids[i * rows:i * rows + req.device_len - st.mtp_len] = req.tokens(
-                st.mtp_len + 1, req.device_len + 1)
-            row = i * rows
+            at.extend(range(i * rows, i * rows + req.device_len - st.mtp_len))
+            tok += req.tokens(st.mtp_len + 1, req.device_len + 1)
             for p in st.pending:
                 base = p.start if single else total
                 if not single:
                     pieces.append(p.src[p.start:p.start + p.n])
                     total += p.n
-                gather[row:row + p.n] = np.arange(base, base + p.n)
-                row += p.n
+                src_rows.extend(range(base, base + p.n))
+        ids = np.zeros(b * rows, dtype=np.int64)
+        gather = np.zeros(b * rows, dtype=np.int64)
+        ids[at] = tok
+        gather[at] = src_rows  # request i's pending rows cover exactly its catch-up rows
         src = states[0].pending[0].src if single else torch.cat(pieces)
         starts = [st.mtp_len for st in states]
         counts = [r.device_len - st.mtp_len for r, st in zip(reqs, states)]
