@@ -249,6 +249,7 @@ class Req:
         self._check()
 
     def extend_output(self, tokens: list[int]) -> None:
+        """append_output of each token (the caller has checked that none finishes early)."""
         self.output_ids.extend(tokens)
         self._check()
 
