@@ -99,3 +99,16 @@ def test_qwen3_5_moe_always_renormalises_and_every_layer_is_sparse():
 def test_unsupported_settings_are_rejected_by_name(field, value, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict({**QWEN3_NEXT, field: value})
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"model_type": "qwen3_5_text"}', "a field is missing or malformed"),
+    ('{"model_type": "qwen3_5", "text_config": [1]}', "a field is missing or malformed"),
+    ("[1, 2]", "must hold a JSON object, not list"),
+    ('{model_type: 1}', "not valid JSON"),
+])
+def test_a_broken_config_json_is_a_value_error_naming_the_file(tmp_path, text, says):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=says) as e:
+        ModelConfig.from_pretrained(tmp_path)
+    assert str(tmp_path / "config.json") in str(e.value)

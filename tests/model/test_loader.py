@@ -168,3 +168,12 @@ def test_the_loader_merges_projections_and_logs_the_layout(tiny_checkpoint, mode
     assert gdn.A_log.dtype == torch.float32
     norm = model.layers[0].input_layernorm
     assert torch.equal(norm.rms_weight, 1.0 + norm.weight.float())
+
+
+def test_a_truncated_safetensors_file_is_a_value_error_naming_it(editable_checkpoint):
+    path = editable_checkpoint("qwen3_5_text")
+    shard = sorted(path.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:5])
+    with pytest.raises(ValueError, match="not a readable safetensors file") as e:
+        load_model(path, torch.float32, progress=False)
+    assert shard.name in str(e.value)

@@ -290,3 +290,10 @@ def test_disabling_mtp_cuda_graphs_without_the_mtp_proposer_is_an_error(algo):
     assert not parse("--disable-mtp-cuda-graphs", "--speculative-algorithm",
                      "mtp").mtp_cuda_graphs
     assert parse("--speculative-algorithm", "mtp").mtp_cuda_graphs
+
+
+@pytest.mark.parametrize("config", ['{"model_type": "qwen3_5_text"}', "[1, 2]", "{x"])
+def test_a_broken_checkpoint_is_a_one_line_error(tmp_path, config):
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(SystemExit, match=r"deltaserve: error: .*config\.json"):  # no traceback
+        main(["generate", "--model", str(tmp_path), "hi"])

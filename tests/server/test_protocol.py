@@ -238,3 +238,39 @@ def test_chat_extensions_that_would_change_the_rendered_prompt_are_refused(extra
 def test_vllm_extensions_left_at_their_defaults_and_unknown_fields_are_accepted():
     CompletionRequest(prompt="Hi", min_tokens=0, use_beam_search=False, guided_json=None,
                       allowed_token_ids=[], unknown_field=1).check_supported()
+
+
+@pytest.mark.parametrize("body", [
+    CompletionRequest(prompt="x", response_format="json"),
+    CompletionRequest(prompt="x", response_format=["a"]),
+    CompletionRequest(prompt="x", response_format=5),
+    CompletionRequest(prompt="x", response_format={"type": "yaml"}),
+    CompletionRequest(prompt="x", response_format={"type": {}}),
+    CompletionRequest(prompt="x", response_format={"type": "json_schema", "json_schema": "s"}),
+    chat(response_format={"type": "json_schema", "json_schema": "s"}),
+    chat(response_format={"type": "json_schema", "json_schema": [1]}),
+    chat(response_format={"type": "json_schema", "json_schema": {"schema": 3}}),
+])
+def test_a_malformed_response_format_is_a_request_error_on_both_endpoints(body):
+    """Was a 500 (AttributeError) for a non-object response_format or json_schema, and an
+    unknown type was ignored on /v1/completions."""
+    from deltaserve.server.structured import grammar_spec
+
+    with pytest.raises(InvalidRequest) as e:
+        grammar_spec(body)
+    assert e.value.param == "response_format"
+
+
+def test_a_json_schema_response_format_becomes_its_grammar():
+    from deltaserve.server.structured import grammar_spec
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for body in (CompletionRequest(prompt="x", response_format={
+                     "type": "json_schema", "json_schema": {"name": "n", "schema": schema}}),
+                 chat(response_format={"type": "json_schema",
+                                       "json_schema": {"name": "n", "schema": schema}})):
+        spec, param = grammar_spec(body)
+        assert param == "response_format" and spec.kind == "json_schema"
+        assert spec.value == '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    assert grammar_spec(CompletionRequest(prompt="x", response_format={"type": "text"})) == (
+        None, None)

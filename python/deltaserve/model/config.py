@@ -79,16 +79,21 @@ class ModelConfig:
         """Read `path/config.json` (and `generation_config.json` for extra EOS ids, if present).
 
         Raises ValueError for an unknown model type (listing the supported ones), a non-SiLU
-        activation or an unsupported RoPE type; FileNotFoundError if config.json is missing.
+        activation, an unsupported RoPE type, or a config.json that is not JSON, not an object
+        or lacks a field (naming the file); FileNotFoundError if config.json is missing.
         """
         path = Path(path)
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in {path}")
-        raw = json.loads(config_file.read_text())
+        raw = _read_json(config_file)
         gen_file = path / "generation_config.json"
-        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
-        return cls.from_dict(raw, generation_config=gen)
+        gen = _read_json(gen_file) if gen_file.is_file() else {}
+        try:
+            return cls.from_dict(raw, generation_config=gen)
+        except (TypeError, KeyError, AttributeError) as e:  # a field missing or of a wrong type
+            raise ValueError(f"{config_file}: a field is missing or malformed ({type(e).__name__}"
+                             f": {e})") from e
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any],
@@ -231,3 +236,14 @@ class ModelConfig:
         """transformers' Qwen3NextDecoderLayer rule (Qwen3.5-MoE: every layer; dense: none)."""
         return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    """A JSON object from `file`; ValueError naming the file when it is not one."""
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file}: must hold a JSON object, not {type(raw).__name__}")
+    return raw

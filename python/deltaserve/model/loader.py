@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from deltaserve.model.config import ModelConfig
@@ -104,8 +104,11 @@ def _index(path: Path) -> dict[str, Path]:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     out: dict[str, Path] = {}
     for f in files:
-        with safe_open(f, framework="pt") as handle:
-            out.update(dict.fromkeys(handle.keys(), f))
+        try:
+            with safe_open(f, framework="pt") as handle:
+                out.update(dict.fromkeys(handle.keys(), f))
+        except SafetensorError as e:  # truncated or not safetensors at all
+            raise ValueError(f"{f}: not a readable safetensors file ({e})") from e
     return out
 
 

@@ -22,12 +22,19 @@ def grammar_spec(body: _GenerationRequest) -> tuple[GrammarSpec | None, str | No
     from deltaserve.server.protocol import InvalidRequest
 
     found: list[tuple[GrammarSpec, str]] = []
-    fmt: dict[str, Any] = getattr(body, "response_format", None) or {}
+    fmt: Any = getattr(body, "response_format", None)  # /v1/completions: an unchecked extra
+    fmt = {} if fmt is None else fmt
+    if not isinstance(fmt, dict):
+        raise InvalidRequest("response_format must be an object with a type", "response_format")
     kind = fmt.get("type", "text")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest("response_format type must be text, json_object or json_schema",
+                             "response_format")
     if kind == "json_object":
         found.append((GrammarSpec("json_object"), "response_format"))
     elif kind == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema")
+        inner = fmt.get("json_schema")
+        schema = inner.get("schema") if isinstance(inner, dict) else None
         if not isinstance(schema, dict):
             raise InvalidRequest("response_format json_schema needs json_schema.schema, a JSON "
                                  "schema object", "response_format")
