@@ -159,3 +159,14 @@ def test_a_dead_end_row_may_only_sample_the_stop_token(tiny):
     allowed0 = [t for t in range(backend.vocab_size)
                 if int(bitmask[0, t // 32]) >> (t % 32) & 1]
     assert allowed0 == [stop] and int(bitmask[1, 0]) == 5
+
+
+def test_a_regex_the_grammar_compiler_refuses_is_reported_without_its_log_prefix(tiny):
+    """xgrammar's message starts "[hh:mm:ss] /path/inside/the/library.cc:NN: "; the client
+    gets the reason alone."""
+    llm = make_llm(tiny, None)
+    with pytest.raises(ValueError, match="cannot be compiled") as e:
+        llm.generate([[1, 2]], SamplingParams(structured=GrammarSpec("regex", "(a")))
+    message = str(e.value)
+    assert not re.search(r"\[\d\d:\d\d:\d\d\]|\.cc:\d+", message), message
+    assert message.split("cannot be compiled: ", 1)[1], message  # the reason stays

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -112,7 +113,7 @@ class GrammarBackend:
             compiled = (self.compiler.compile_regex(spec.value or "") if spec.kind == "regex"
                         else self.compiler.compile_json_schema(schema, any_whitespace=False))
         except Exception as e:  # xgrammar raises RuntimeError / its own errors on bad input
-            raise ValueError(f"{what} cannot be compiled: {e}") from e
+            raise ValueError(f"{what} cannot be compiled: {_client_message(e)}") from e
         first = self._xgr.allocate_token_bitmask(1, self.vocab_size)
         self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(first, 0)
         if not bool(first.any()):
@@ -218,3 +219,9 @@ def _unenforced(schema: Any, depth: int = 0) -> str | None:
         if found:
             return found
     return None
+
+
+def _client_message(error: Exception) -> str:
+    """xgrammar's error text without its log prefix ("[05:51:57] /project/cpp/x.cc:94: "): a
+    timestamp and a path inside the library mean nothing to the client."""
+    return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", str(error).strip())
