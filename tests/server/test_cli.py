@@ -297,3 +297,17 @@ def test_a_broken_checkpoint_is_a_one_line_error(tmp_path, config):
     (tmp_path / "config.json").write_text(config)
     with pytest.raises(SystemExit, match=r"deltaserve: error: .*config\.json"):  # no traceback
         main(["generate", "--model", str(tmp_path), "hi"])
+
+
+@pytest.mark.parametrize("flag, value", [("--speculative-algorithm", "eagle"),
+                                         ("--speculative-policy", "sometimes")])
+def test_closed_choice_flags_list_their_values_and_refuse_others_before_loading(flag, value,
+                                                                                 capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", flag, value, "hi"])
+    assert e.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    shown = capsys.readouterr().out
+    assert "{mtp,ngram}" in shown and "{fixed,adaptive}" in shown

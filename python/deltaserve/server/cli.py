@@ -96,6 +96,10 @@ def _port(text: str) -> int:
     return port
 
 
+# fields with a closed set of values: --help lists them and argparse refuses others at once
+_CHOICES = {"speculative_algorithm": ["mtp", "ngram"], "speculative_policy": ["fixed", "adaptive"]}
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field; unset flags keep the dataclass default."""
     group = parser.add_argument_group("engine")
@@ -112,7 +116,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             if "default" not in help_:
                 help_ += f" (default: {f.default})"
             group.add_argument(_flag(f.name, f.default), dest=f.name, type=kind,
-                               default=argparse.SUPPRESS, help=help_)
+                               choices=_CHOICES.get(f.name), default=argparse.SUPPRESS,
+                               help=help_)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
