@@ -118,9 +118,9 @@ def graph_counts(eng) -> dict[str, int]:
 
 def warm_both_kinds(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> None:
     """Two more untimed runs, every decode step forced to verify, then to plain decode, so the
-    graphs of both kinds (verify, decode, MTP proposer) are captured at every batch bucket the
-    timed runs can meet: a capture inside a timed run costs seconds. The policy keeps the
-    costs and acceptance it saw here, as a server's policy would from earlier requests."""
+    policy has the costs and acceptance of both kinds, as a server's policy would from earlier
+    requests. (They also captured both kinds' graphs before the engine captured every bucket
+    at start-up; the timed runs' capture counts, `graph_counts`, show none is left.)"""
     sched, k = llm.engine.scheduler, llm.engine.cfg.speculative_num_steps
     choose = sched.choose_drafts
     try:

@@ -7,6 +7,8 @@ import numbers
 from dataclasses import dataclass, fields
 
 DEFAULT_SPECULATIVE_STEPS = 3  # drafts per verify step when only the algorithm is given
+SPECULATIVE_ALGORITHMS = ("mtp", "ngram")
+SPECULATIVE_POLICIES = ("fixed", "adaptive")
 
 
 def valid_seed(seed: object) -> bool:
@@ -125,12 +127,13 @@ class EngineConfig:
                              "(random weights from config.json)")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError("dtype must be one of auto, bfloat16, float16, float32")
-        if self.speculative_algorithm not in (None, "mtp", "ngram"):
-            raise ValueError("speculative_algorithm must be one of mtp, ngram")
+        if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
+            raise ValueError(f"speculative_algorithm must be one of "
+                             f"{', '.join(SPECULATIVE_ALGORITHMS)}")
         if self.speculative_algorithm is not None and not 0 <= self.speculative_num_steps <= 8:
             raise ValueError("speculative_num_steps must be in 1..8 (or 0: the default, "
                              f"{DEFAULT_SPECULATIVE_STEPS}) with a speculative algorithm")
-        if self.speculative_policy not in ("fixed", "adaptive"):
-            raise ValueError("speculative_policy must be fixed or adaptive")
+        if self.speculative_policy not in SPECULATIVE_POLICIES:
+            raise ValueError(f"speculative_policy must be {' or '.join(SPECULATIVE_POLICIES)}")
         if self.speculative_algorithm is None and self.speculative_num_steps:
             raise ValueError("speculative_num_steps needs --speculative-algorithm")

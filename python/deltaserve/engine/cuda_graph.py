@@ -114,8 +114,8 @@ class GraphRunner:
         and SGLang do at start-up: a capture on first use stalls the step that meets a new
         bucket (tens of ms to seconds), and did inside bench_spec's timed runs. Returns the
         number of graphs captured."""
-        keys = [(b, w) if self.phase is Phase.VERIFY else (b,)
-                for b in self.batch_buckets for w in (0, 1)[:2 if self.rows > 1 else 1]]
+        keys = ([(b, w) for b in self.batch_buckets for w in (0, 1)]
+                if self.phase is Phase.VERIFY else [(b,) for b in self.batch_buckets])
         new = [key for key in keys if key not in self.graphs]
         for key in new:
             self.graphs[key] = self._capture(*key)

@@ -42,7 +42,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return True
         self.ids.append(token)
-        if self.tokenizer is None or not self.stop:
+        if not self.watches_stops:
             return False  # nothing to look for: decoded when the text is taken
         return self._advance(final=False)
 

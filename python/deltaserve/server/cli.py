@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from deltaserve.config import EngineConfig
+from deltaserve.config import SPECULATIVE_ALGORITHMS, SPECULATIVE_POLICIES, EngineConfig
 from deltaserve.server.security import add_server_flags, server_options
 
 logger = logging.getLogger("deltaserve.server")
@@ -97,7 +97,8 @@ def _port(text: str) -> int:
 
 
 # fields with a closed set of values: --help lists them and argparse refuses others at once
-_CHOICES = {"speculative_algorithm": ["mtp", "ngram"], "speculative_policy": ["fixed", "adaptive"]}
+_CHOICES = {"speculative_algorithm": SPECULATIVE_ALGORITHMS,
+            "speculative_policy": SPECULATIVE_POLICIES}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

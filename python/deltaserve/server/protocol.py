@@ -24,6 +24,7 @@ from pydantic import (
 from deltaserve.core import MAX_LOGPROBS, SamplingParams
 from deltaserve.server.limits import MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_TOKEN_IDS
 from deltaserve.server.responses import _now
+from deltaserve.server.structured import response_format_kind
 from deltaserve.server.tool_requests import check_tools, history_calls
 
 
@@ -269,10 +270,7 @@ class ChatCompletionRequest(_GenerationRequest):
             if m.function_call:
                 raise InvalidRequest("function_call in chat history is not supported by "
                                      "deltaserve (use tool_calls)", f"messages.{i}.function_call")
-        if (self.response_format or {}).get("type", "text") not in (
-                "text", "json_object", "json_schema"):
-            raise InvalidRequest("response_format type must be text, json_object or "
-                                 "json_schema", "response_format")
+        response_format_kind(self.response_format)
         refuse_set_extras(extra, VLLM_CHAT_UNSUPPORTED)
         if extra.get("add_generation_prompt", True) is not True:
             raise InvalidRequest("add_generation_prompt must be true: deltaserve always ends "

@@ -16,20 +16,33 @@ if TYPE_CHECKING:
     from deltaserve.server.protocol import _GenerationRequest
 
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def response_format_kind(fmt: Any) -> str:
+    """The type of a `response_format` field (None: "text"). Raises InvalidRequest unless it
+    is an object whose type is one of RESPONSE_FORMATS (/v1/completions takes it as an
+    unchecked extra, so anything can arrive here)."""
+    from deltaserve.server.protocol import InvalidRequest
+
+    fmt = {} if fmt is None else fmt
+    if not isinstance(fmt, dict):
+        raise InvalidRequest("response_format must be an object with a type", "response_format")
+    kind = fmt.get("type", "text")
+    if kind not in RESPONSE_FORMATS:
+        raise InvalidRequest(f"response_format type must be {', '.join(RESPONSE_FORMATS)}",
+                             "response_format")
+    return kind
+
+
 def grammar_spec(body: _GenerationRequest) -> tuple[GrammarSpec | None, str | None]:
     """(spec, the field it came from), (None, None) when the output is free. Raises
     InvalidRequest for a malformed field or more than one."""
     from deltaserve.server.protocol import InvalidRequest
 
     found: list[tuple[GrammarSpec, str]] = []
-    fmt: Any = getattr(body, "response_format", None)  # /v1/completions: an unchecked extra
-    fmt = {} if fmt is None else fmt
-    if not isinstance(fmt, dict):
-        raise InvalidRequest("response_format must be an object with a type", "response_format")
-    kind = fmt.get("type", "text")
-    if kind not in ("text", "json_object", "json_schema"):
-        raise InvalidRequest("response_format type must be text, json_object or json_schema",
-                             "response_format")
+    fmt = getattr(body, "response_format", None)
+    kind = response_format_kind(fmt)
     if kind == "json_object":
         found.append((GrammarSpec("json_object"), "response_format"))
     elif kind == "json_schema":
