@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.config import EngineConfig
-from deltaserve.core import Batch, Phase, Req, SamplingParams
+from deltaserve.core import Batch, FinishReason, Phase, Req, SamplingParams
 from deltaserve.engine.caches import build_caches
 from deltaserve.engine.cuda_graph import GraphRunner
 from deltaserve.engine.forks import ForkGroups, parent_params
@@ -23,7 +23,7 @@ from deltaserve.engine.overlap import OverlapScheduler
 from deltaserve.engine.requests import new_req
 from deltaserve.engine.sampling import SamplingRow, sample_rows
 from deltaserve.engine.spec_protocol import load_spec_runtime
-from deltaserve.engine.status import cache_status, engine_metrics, log_step
+from deltaserve.engine.status import cache_status, check_integrity, engine_metrics, log_step
 from deltaserve.model.mlp import moe_graph_safe
 from deltaserve.ops._ext import KERNEL_HEAD_DIMS
 from deltaserve.scheduler.scheduler import Scheduler
@@ -269,19 +269,7 @@ class LLMEngine:
         """The prefix cache's and the pools' own checks and, when no request is left, that
         every allocated page, GDN state slot and host-bank slot is owned by the cache (so
         nothing leaked). Raises AssertionError naming what is wrong. O(cache size)."""
-        self.prefix_cache.check_integrity()
-        if self.scheduler.has_unfinished():
-            return
-        tree, bank = self.prefix_cache.tree, self.prefix_cache.host_bank
-        assert self.page_pool.num_allocated == len(tree.pages), (
-            f"{self.page_pool.num_allocated - len(tree.pages)} KV pages leaked")
-        assert self.state_pool.num_allocated == len(tree.slots), (
-            f"{self.state_pool.num_allocated - len(tree.slots)} GDN state slots leaked")
-        if bank is not None:
-            assert bank.num_allocated == len(tree.host_slots), (
-                f"{bank.num_allocated - len(tree.host_slots)} host snapshot slots leaked")
-        snaps = self.scheduler.snaps
-        assert not snaps.tracks and not snaps.chunk, "snapshot slots of finished requests held"
+        check_integrity(self)
 
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -352,7 +340,11 @@ class LLMEngine:
         Every step flushes them before it commits anything (run_batch after its forward, the
         overlap scheduler when it launches or finds nothing to run), so outputs stay in order."""
         d, self._deferred = self._deferred, None
-        return self.emit(*d) if d is not None else []
+        if d is None:
+            return []
+        # a request aborted since that step gets nothing more (abort() already forgot it)
+        reqs = [r for r in d[0] if r.finish_reason is not FinishReason.ABORT]
+        return self.emit(reqs, *d[1:])
 
     def emit(self, reqs: list[Req], new_by_rid: dict[int, list[int]],
              logprobs: dict[int, list[TokenLogprob]] | None = None) -> list[RequestOutput]:
@@ -393,6 +385,11 @@ class LLMEngine:
     def _commit_verify(self, batch, counts: list[int]) -> None:
         self.runner.commit_verify(counts)
         self.spec.on_commit(batch, counts)
+        self.count_verify(batch, counts)
+
+    def count_verify(self, batch, counts: list[int]) -> None:
+        """A verify step kept counts[i] rows of request i: the policy's acceptance, the
+        acceptance-length counters."""
         self.policy.on_verify(batch.reqs, counts)
         live = [c for c in counts if c > 0]
         self.spec_steps += len(live)

@@ -86,3 +86,22 @@ def engine_metrics(engine: LLMEngine) -> dict[str, float]:
         "slots_used": float(status["slots_total"] - status["slots_free"]),
         "host_slots_used": float(status["host_slots_used"]),
     }
+
+
+def check_integrity(engine: LLMEngine) -> None:
+    """The prefix cache's and the pools' own checks and, when no request is left, that
+    every allocated page, GDN state slot and host-bank slot is owned by the cache (so
+    nothing leaked). Raises AssertionError naming what is wrong. O(cache size)."""
+    engine.prefix_cache.check_integrity()
+    if engine.scheduler.has_unfinished():
+        return
+    tree, bank = engine.prefix_cache.tree, engine.prefix_cache.host_bank
+    assert engine.page_pool.num_allocated == len(tree.pages), (
+        f"{engine.page_pool.num_allocated - len(tree.pages)} KV pages leaked")
+    assert engine.state_pool.num_allocated == len(tree.slots), (
+        f"{engine.state_pool.num_allocated - len(tree.slots)} GDN state slots leaked")
+    if bank is not None:
+        assert bank.num_allocated == len(tree.host_slots), (
+            f"{bank.num_allocated - len(tree.host_slots)} host snapshot slots leaked")
+    snaps = engine.scheduler.snaps
+    assert not snaps.tracks and not snaps.chunk, "snapshot slots of finished requests held"
