@@ -70,11 +70,13 @@ def sync(device: str) -> None:
 
 def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
         max_tokens: int, args: argparse.Namespace, dtype: str = "auto",
-        fold: bool = True, policy: str = "fixed", mtp_graphs: bool = True) -> dict:
+        fold: bool = True, policy: str = "fixed", mtp_graphs: bool = True,
+        overlap_verify: bool = False) -> dict:
     kw = {}
     if algo is not None:
         kw = dict(speculative_algorithm=algo, speculative_num_steps=k,
-                  speculative_policy=policy, mtp_cuda_graphs=mtp_graphs and algo == "mtp")
+                  speculative_policy=policy, mtp_cuda_graphs=mtp_graphs and algo == "mtp",
+                  overlap_verify=overlap_verify)
     llm = LLM(model, device=device, dtype=dtype, enable_prefix_cache=False,
               max_running_reqs=max(batch, 8), **kw)
     llm.engine.runner.fold_replay = fold
@@ -94,14 +96,15 @@ def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
     costs = step_costs(llm, prompts, params, device) if algo is not None else {}
     tokens = costs.pop("tokens") if algo is not None else gaps.pop("tokens")
     name = (algo or "off") + ("" if fold else "/unf") + \
-        ("/eager" if algo == "mtp" and not mtp_graphs else "")
+        ("/eager" if algo == "mtp" and not mtp_graphs else "") + ("/ov" if overlap_verify else "")
     return {"algo": name, "k": k if algo else 0, "batch": batch,
             "policy": policy if algo else "-",
             "decode_tok_s": batch * (max_tokens - 1) / max(decode_s, 1e-9),
             "step_s": decode_s / max(max_tokens - 1, 1),
             "acceptance_length": eng.acceptance_length if algo is not None else None,
             "tokens": tokens, "timed_counts": timed_counts,
-            "gaps": gaps.get("gaps"), **costs}
+            "gaps": gaps.get("gaps"),
+            "chained_steps": eng.overlap.verify.chained_steps if eng.overlap else 0, **costs}
 
 
 def graph_counts(eng) -> dict[str, int]:
@@ -241,6 +244,9 @@ def main() -> None:
     ap.add_argument("--mtp-graphs", default="on",
                     help="MTP proposer as CUDA graphs, comma-separated: on, off (off: the "
                          "eager proposer, rows named mtp/eager)")
+    ap.add_argument("--overlap-verify", default="off",
+                    help="MTP verify steps launched before the previous one lands "
+                         "(engine/overlap_verify.py), comma-separated: off, on (rows mtp/ov)")
     args = ap.parse_args()
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -250,11 +256,13 @@ def main() -> None:
             for k in [int(x) for x in args.ks.split(",")]:
                 modes = [m == "on" for m in args.mtp_graphs.split(",")] \
                     if algo == "mtp" else [True]
-                for fold, policy, graphs in itertools.product(
+                overlaps = [m == "on" for m in args.overlap_verify.split(",")] \
+                    if algo == "mtp" else [False]
+                for fold, policy, graphs, ov in itertools.product(
                         (True, False) if args.unfolded else (True,),
-                        args.policies.split(","), modes):
+                        args.policies.split(","), modes, overlaps):
                     r = run(args.model, args.device, algo, k, batch, args.max_tokens,
-                            args, args.dtype, fold, policy, graphs)
+                            args, args.dtype, fold, policy, graphs, ov)
                     r.update(compare(base, r, args.tie_eps))
                     r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
                     plain_s, v, d = base["step_s"], r["verify_step_s"], r["draft_s"]

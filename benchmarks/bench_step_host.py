@@ -31,7 +31,10 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.engine.cuda_graph import GraphRunner
 
 # step kind -> engine arguments: plain decode (overlapped), or verify steps with k = 3 drafts
+# (mtp_ov: MTP verify steps chained behind unlanded ones, --overlap-verify; no sync to replay,
+# its host time runs beside the device's)
 KINDS = {"decode": {}, "mtp": {"speculative_algorithm": "mtp"},
+         "mtp_ov": {"speculative_algorithm": "mtp", "overlap_verify": True},
          "ngram": {"speculative_algorithm": "ngram"}}
 PROMPT = "def f(x):\n    return x\n" * 8  # repetitive: the n-gram proposer finds drafts
 
@@ -81,6 +84,8 @@ def stubbed_engine(kind: str, batch: int) -> LLM:
     for g in graphs:
         g.replay = llm.clock.replay  # the warm-up's outputs stay in the graph's output buffers
     eng.runner.commit_verify = lambda counts: None
+    for g in eng.graphs.graphs.values():  # the commit a chained launch runs (overlap_verify)
+        g.gdn.commit = lambda accepted, slot_ids: None
     if spec:
         eng.spec.accept = llm.clock.timed_accept(eng.spec.accept)
     llm.prompt = prompt

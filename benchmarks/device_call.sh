@@ -51,7 +51,7 @@ has moebench && TAILN=20 run moebench 90 python3 benchmarks/bench_moe.py --out "
 has moe35 && TAILN=25 run moe35 ${MOE_T:-300} python3 benchmarks/bench_e2e.py --config qwen3.6-35b-a3b --out "$OUT/moe35.json"
 has long && TAILN=10 run long 150 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --out "$OUT/long.json"
 has mtptest && run mtptest 90 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/spec/test_gpu_mtp_graph.py
-has spec && TAILN=14 run spec ${SPEC_T:-150} python3 benchmarks/bench_spec.py --workload heldout --corpus build/spec_corpus --batches ${SPEC_B:-1,32} --ks 3 --max-tokens 64 --policies ${SPEC_P:-fixed,adaptive} --out "$OUT/spec.json"
+has spec && TAILN=14 run spec ${SPEC_T:-150} python3 benchmarks/bench_spec.py --workload heldout --corpus build/spec_corpus --batches ${SPEC_B:-1,32} --ks 3 --max-tokens 64 --policies ${SPEC_P:-fixed,adaptive} --overlap-verify ${SPEC_OV:-off} --out "$OUT/spec.json"
 # issue 27, prefill: GPU tests of the prefill path (~2-4 min on a machine that has not compiled
 # fla-core's kernels yet), then TTFT-256 / 8k prefill beside kernels per forward
 has prefilltest && TAILN=12 run prefilltest ${PREFILLTEST_T:-400} python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/ops/test_gdn_prefill_gpu.py tests/ops/test_conv_qkv_gpu.py tests/engine/test_gpu_prefill_attention.py tests/engine/test_gpu_prefill.py

@@ -51,6 +51,10 @@ class EngineConfig:
     # effect with decode CUDA graphs at tensor_parallel_size 1 (with speculation: the plain
     # decode steps of the adaptive policy; verify steps stay synchronous)
     overlap_schedule: bool = True
+    # verify: launch MTP verify step n+1 before step n's acceptance reaches the host
+    # (engine/overlap_verify.py; greedy requests, CUDA graphs, the MTP proposer's graphs).
+    # Off until its GPU tests have run (they have not: tests/spec/test_gpu_overlap_verify.py)
+    overlap_verify: bool = False
     tensor_parallel_size: int = 1  # worker processes (one per GPU); > 1: deltaserve/distributed
     distributed_timeout_s: float = 120.0  # a collective or a rank's answer waits at most this
     # with cuda_graphs and the mtp proposer: the MTP catch-up + drafts as graphs too (the GPU

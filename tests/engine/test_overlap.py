@@ -9,6 +9,11 @@ from functools import partial
 
 import pytest
 import torch
+
+from deltaserve import SamplingParams
+from deltaserve.core import Req
+from deltaserve.engine.overlap import finishes_by_length, overlappable
+from drained import assert_drained
 from overlap_driver import (
     abort,
     add,
@@ -19,11 +24,6 @@ from overlap_driver import (
     stop_at,
     stop_on_grid,
 )
-
-from deltaserve import SamplingParams
-from deltaserve.core import Req
-from deltaserve.engine.overlap import finishes_by_length, overlappable
-from drained import assert_drained
 from slow_decay import slow_decay_checkpoint
 from token_ids import random_tokens as tokens
 

@@ -292,6 +292,15 @@ def test_disabling_mtp_cuda_graphs_without_the_mtp_proposer_is_an_error(algo):
     assert parse("--speculative-algorithm", "mtp").mtp_cuda_graphs
 
 
+@pytest.mark.parametrize("algo", [None, "ngram"])
+def test_overlap_verify_without_the_mtp_proposer_is_an_error(algo):
+    args = ("--overlap-verify",) + (("--speculative-algorithm", algo) if algo else ())
+    with pytest.raises(ValueError, match="--overlap-verify needs --speculative-algorithm mtp"):
+        parse(*args)
+    assert parse("--overlap-verify", "--speculative-algorithm", "mtp").overlap_verify
+    assert not parse("--speculative-algorithm", "mtp").overlap_verify
+
+
 @pytest.mark.parametrize("config", ['{"model_type": "qwen3_5_text"}', "[1, 2]", "{x"])
 def test_a_broken_checkpoint_is_a_one_line_error(tmp_path, config):
     (tmp_path / "config.json").write_text(config)

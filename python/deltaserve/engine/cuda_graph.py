@@ -58,6 +58,19 @@ class DeviceTokens:
 
 
 @dataclass
+class VerifyChain:
+    """Inputs of a verify step launched before the previous verify step of the same requests,
+    in the same order, landed (engine/overlap_verify.py). That step started request i at
+    position starts[i] (host) and committed counts[i] rows (int64 [N] on the device: its
+    accepted drafts + 1), so this step's rows start at starts[i] + counts[i] and its first row
+    feeds greedy[i, counts[i] - 1] (greedy int64 [N, R]: the previous step's argmax rows)."""
+
+    starts: list[int]
+    counts: torch.Tensor
+    greedy: torch.Tensor
+
+
+@dataclass
 class _Graph:
     replay: Callable[[], object]  # the graph's replay (or, uncaptured, the eager step)
     ints: torch.Tensor  # int64 [2 * B * R + B]: input ids, positions, drafts per request
@@ -123,12 +136,18 @@ class GraphRunner:
 
     @torch.inference_mode()
     def forward(self, batch: Batch, keep_hidden: bool = False,
-                device_tokens: DeviceTokens | None = None) -> ForwardOutput | None:
+                device_tokens: DeviceTokens | None = None,
+                chain: VerifyChain | None = None) -> ForwardOutput | None:
         """Run `batch` through its bucket's graph; None when no bucket fits (run eagerly).
         With `device_tokens` (a decode batch) the rows' tokens and positions come from there
-        instead of the requests' committed tokens and device_len."""
-        starts = device_tokens.starts if device_tokens is not None \
-            else [r.device_len for r in batch.reqs]
+        instead of the requests' committed tokens and device_len; with `chain` (a verify
+        batch with its drafts on the device) the pending token and the positions do."""
+        if device_tokens is not None:
+            starts = device_tokens.starts
+        elif chain is not None:  # the furthest the rows can start: every draft accepted
+            starts = [s + self.rows for s in chain.starts]
+        else:
+            starts = [r.device_len for r in batch.reqs]
         key = self.bucket(batch, starts)
         if key is None:
             self.eager_steps += batch.phase is self.phase
@@ -148,12 +167,16 @@ class GraphRunner:
         if self.phase is Phase.VERIFY:  # padding requests: no drafts, none accepted
             ints[2 * b * rows:2 * b * rows + n] = batch.num_drafts or rows - 1
         on_device = batch.draft_ids is None and batch.draft_tensor is not None
-        if on_device:  # the pending tokens from here, the drafts below from the device
-            ids[:n * rows:rows] = [r.tokens(r.device_len, r.device_len + 1)[0]
-                                   for r in batch.reqs]
-        elif device_tokens is None:
-            ids[:n * rows] = runner.input_ids(batch)
-        pos[:n * rows] = row_positions(starts, rows)
+        if chain is not None:  # positions from the previous step's starts, moved below
+            assert on_device, "a chained verify step takes its drafts on the device"
+            pos[:n * rows] = row_positions(chain.starts, rows)
+        else:
+            if on_device:  # the pending tokens from here, the drafts below from the device
+                ids[:n * rows:rows] = [r.tokens(r.device_len, r.device_len + 1)[0]
+                                       for r in batch.reqs]
+            elif device_tokens is None:
+                ids[:n * rows] = runner.input_ids(batch)
+            pos[:n * rows] = row_positions(starts, rows)
         slots = np.zeros(b, dtype=np.int32)
         slots[:n] = slot_ids
         copy_into(g.ints, ints)
@@ -169,6 +192,8 @@ class GraphRunner:
             if pend is not None:
                 rows_buf[:n].copy_(pend)
         g.attn.fill([r.page_table for r in batch.reqs], starts, runner.kv.page_size)
+        if chain is not None:  # in stream order after the staged copies above
+            _chain_inputs(g, chain, n, rows)
         out = g.replay()
         if out is not None:  # uncaptured: the eager step returned fresh tensors
             g.hidden, g.logits, g.greedy, g.accepted = out
@@ -211,6 +236,18 @@ class GraphRunner:
             return _Graph(step, ints, input_ids, positions, attn, gdn, *step())
         graph, outputs = capture(step, self.pool)
         return _Graph(lambda: graph.replay(), ints, input_ids, positions, attn, gdn, *outputs)
+
+
+def _chain_inputs(g: _Graph, chain: VerifyChain, n: int, rows: int) -> None:
+    """Move a chained verify step's rows to where the previous step left each request: the
+    staged positions start at chain.starts and the staged lengths assume every draft was
+    accepted (starts + rows, the pages filled that far); the pending token is the previous
+    step's target token at its last committed row."""
+    counts = chain.counts
+    g.positions.view(-1, rows)[:n].add_(counts[:, None])
+    g.attn.kv_lens[:n].add_((counts - rows).to(g.attn.kv_lens.dtype))
+    last = torch.gather(chain.greedy, 1, (counts - 1)[:, None])
+    g.input_ids.view(-1, rows)[:n, :1].copy_(last)
 
 
 def capture(step: Callable[[], Any], pool) -> tuple[torch.cuda.CUDAGraph, Any]:

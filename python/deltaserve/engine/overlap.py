@@ -36,8 +36,9 @@ Hazards, and why they are harmless:
   position the synchronous path samples one step later, so the tokens are the same.
 
 With speculation and the adaptive policy (spec/policy.py), the plain decode steps the policy
-picks overlap the same way through the engine's decode graphs; a verify step never does (its
-committed count decides the next step's positions on the host). Before launching step n+1 the
+picks overlap the same way through the engine's decode graphs. A verify step overlaps only
+with `--overlap-verify` (engine/overlap_verify.py: the next verify's positions and drafts come
+from the device); otherwise it runs synchronously. Before launching step n+1 the
 policy is asked (`choose` is pure): when it wants a verify, step n lands and the next call runs
 the verify synchronously. An overlapped step's wall period (from the later of its launch and
 the previous landing, to its landing) is its cost for the policy, so the policy weighs verify
@@ -62,7 +63,9 @@ import torch
 
 from deltaserve.core import Batch, Phase, Req
 from deltaserve.engine.cuda_graph import DeviceTokens
-from deltaserve.engine.sampling import SamplingRow, SamplingTensors, has_penalties, sample
+from deltaserve.engine.overlap_verify import VerifyInFlight, VerifyOverlap
+from deltaserve.engine.requests import overlappable
+from deltaserve.engine.sampling import SamplingRow, SamplingTensors, sample
 from deltaserve.engine.staging import to_device
 
 if TYPE_CHECKING:
@@ -80,15 +83,6 @@ class InFlight:
     host: torch.Tensor
     event: torch.cuda.Event | None
     launched_at: float  # time.perf_counter() at launch
-
-
-def overlappable(req: Req) -> bool:
-    """Whether `req`'s next decode row needs nothing on the host derived from the token before
-    it: no grammar mask, no token-healing mask, no logprobs (read from the graph's logits,
-    which the next replay overwrites), no penalties (they count the output ids)."""
-    return (req.grammar is None and req.params.logprobs is None
-            and not has_penalties(req.params)
-            and (req.healing is None or bool(req.output_ids)))
 
 
 def finishes_by_length(req: Req) -> bool:
@@ -111,7 +105,7 @@ class OverlapScheduler:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.enabled = True
-        self.inflight: InFlight | None = None
+        self.inflight: InFlight | VerifyInFlight | None = None
         self._host: list[torch.Tensor] = []  # two pinned token buffers, used in turn
         self._events: list[torch.cuda.Event] = []
         self._turn = 0
@@ -120,6 +114,7 @@ class OverlapScheduler:
         self.overlapped_steps = 0
         self.discarded_rows = 0
         self._landed_at = 0.0  # time.perf_counter() when the last step landed
+        self.verify = VerifyOverlap(engine)  # verify steps launched ahead (overlap_verify.py)
 
     @property
     def graphs(self):
@@ -141,6 +136,8 @@ class OverlapScheduler:
         On an exception the in-flight step is forgotten (its device work is harmless)."""
         prev, self.inflight = self.inflight, None
         try:
+            if isinstance(prev, VerifyInFlight):
+                return self._after_verify(prev)
             if prev is not None:
                 nxt = self._next(prev) if self.active else None
                 if nxt is not None:
@@ -153,10 +150,26 @@ class OverlapScheduler:
                     and self.graphs.bucket(batch) is not None:
                 self.inflight = self._launch(batch, None)
                 return self.engine.flush_outputs()  # a verify step's, while this one runs
+            if self.enabled and self.verify.can_launch(batch):
+                self.inflight = self.verify.launch(batch)
+                return self.engine.flush_outputs()
             return self.engine.run_batch(batch)
         except BaseException:
             self.inflight = None
             raise
+
+    def _after_verify(self, prev: VerifyInFlight) -> list[RequestOutput]:
+        """Launch the verify step chained behind `prev` when it may be, then land `prev`."""
+        nxt = self.verify.launch_chained(prev) if self.enabled else None
+        self.inflight = nxt
+        outputs = self.verify.land(prev)
+        if nxt is not None:
+            live = [r for r in nxt.batch.reqs if not r.finished]
+            if not live:
+                self.inflight = None  # only discarded rows: nothing will land
+            for req in live:  # prev's commit reset them; nxt's rows are provisional again
+                req.widen_pending(nxt.batch.rows_per_req - 1)
+        return outputs
 
     # ---- launch -------------------------------------------------------------------------
     @staticmethod

@@ -10,6 +10,7 @@ import torch
 
 from deltaserve.core import Req, SamplingParams
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.sampling import has_penalties
 
 if TYPE_CHECKING:
     from deltaserve.engine.grammar import GrammarBackend
@@ -56,3 +57,12 @@ def new_req(prompt_ids: list[int], params: SamplingParams, rid: int, vocab: int,
     req.detok = IncrementalDetokenizer(tokenizer, list(params.stop),
                                        healing.removed_text if healing else "")
     return req
+
+
+def overlappable(req: Req) -> bool:
+    """Whether `req`'s next decode row needs nothing on the host derived from the token before
+    it: no grammar mask, no token-healing mask, no logprobs (read from the graph's logits,
+    which the next replay overwrites), no penalties (they count the output ids)."""
+    return (req.grammar is None and req.params.logprobs is None
+            and not has_penalties(req.params)
+            and (req.healing is None or bool(req.output_ids)))

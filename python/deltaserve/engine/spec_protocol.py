@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     from deltaserve.config import EngineConfig
     from deltaserve.core import Batch, Req
+    from deltaserve.engine.cuda_graph import VerifyChain
 
 
 class SpecRuntime(Protocol):
@@ -21,6 +22,7 @@ class SpecRuntime(Protocol):
 
     num_steps: int  # k: drafts per request per verify step
     wants_hidden: bool  # the proposer reads the target's final hidden states
+    chains_verify: bool  # propose_chained can draft (engine/overlap_verify.py)
 
     def propose(self, batch: Batch) -> None:
         """Fill `batch.draft_ids` (k per request, padded) or `batch.draft_tensor` (int64
@@ -28,6 +30,15 @@ class SpecRuntime(Protocol):
 
     def use_graphs(self, max_reqs: int, max_kv_len: int, capture: bool = True) -> None:
         """The engine's decode/verify steps run as CUDA graphs (see Proposer.use_graphs)."""
+
+    def propose_chained(self, batch: Batch, chain: VerifyChain,
+                        hidden: torch.Tensor | None) -> bool:
+        """Drafts on the device for a verify batch launched before the previous verify step of
+        the same requests landed (`chain`: its starts and device acceptance; `hidden`: its
+        target hidden states); False when they cannot be made so."""
+
+    def on_chained_commit(self, batch: Batch, committed: list[int]) -> None:
+        """After a verify step whose committed rows `propose_chained` already consumed."""
 
     def accept(self, batch: Batch, logits: torch.Tensor, greedy: torch.Tensor | None = None,
                accepted: torch.Tensor | None = None) -> dict[int, list[int]]:

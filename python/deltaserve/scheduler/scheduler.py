@@ -285,7 +285,8 @@ class Scheduler:
             if n == 0:  # aborted while the step ran: already released
                 continue
             req.commit_pending(n)
-            self.rollback_tail(req)
+            if not req.ahead:  # else a verify step launched ahead still writes those pages
+                self.rollback_tail(req)
             if req.finished:
                 self.release(req)
                 finished.append(req)

@@ -56,6 +56,9 @@ _HELP = {
     "overlap_schedule": "build each decode step only after the previous step's tokens reached "
                         "the host (default: the next step is launched while the GPU runs the "
                         "current one, with CUDA graphs and no speculation)",
+    "overlap_verify": "launch each MTP verify step before the previous one's accepted tokens "
+                      "reach the host (greedy requests; needs --speculative-algorithm mtp and "
+                      "CUDA graphs; experimental: not yet run on a GPU)",
     "tensor_parallel_size": "worker processes the model is sharded over (one per GPU; gloo on "
                             "a CPU); rank 0 schedules",
     "distributed_timeout_s": "seconds a tensor-parallel collective or rank may take before "
@@ -127,6 +130,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     cfg = EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
     if "mtp_cuda_graphs" in vars(args) and cfg.speculative_algorithm != "mtp":
         raise ValueError("--disable-mtp-cuda-graphs needs --speculative-algorithm mtp")
+    if cfg.overlap_verify and cfg.speculative_algorithm != "mtp":
+        raise ValueError("--overlap-verify needs --speculative-algorithm mtp")
     cfg.validate()
     cfg.resolve_speculation()
     return cfg

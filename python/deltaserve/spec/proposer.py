@@ -8,6 +8,7 @@ if TYPE_CHECKING:
     import torch
 
     from deltaserve.core import Batch, Req
+    from deltaserve.engine.cuda_graph import VerifyChain
 
 
 class Proposer:
@@ -19,6 +20,7 @@ class Proposer:
 
     num_steps: int = 0
     wants_hidden: bool = False  # set: the target hands its final hidden states to the hooks
+    chains_verify: bool = False  # set: `propose_chained` can draft (engine/overlap_verify.py)
 
     def propose(self, reqs: list[Req]) -> list[list[int]] | torch.Tensor:
         """Up to `num_steps` draft tokens per request, continuing `req.all_ids`; or an int64
@@ -37,6 +39,19 @@ class Proposer:
 
     def on_commit(self, batch: Batch, committed: list[int]) -> None:
         """After a verify step: committed[i] of request i's k+1 rows were kept (1..k+1)."""
+
+    def propose_chained(self, reqs: list[Req], chain: VerifyChain,
+                        hidden: torch.Tensor | None) -> torch.Tensor | None:
+        """Drafts int64 [len(reqs), num_steps] on the device for a verify step launched before
+        the previous verify step of `reqs` (same order) landed: its committed rows are known
+        only on the device (`chain`, engine/cuda_graph.VerifyChain; `hidden` its target hidden
+        states when `wants_hidden`). None: this proposer cannot (the default), and the engine
+        lands that step first."""
+        return None
+
+    def on_chained_commit(self, batch: Batch, committed: list[int]) -> None:
+        """`on_commit` for a verify step whose committed rows the next step's
+        `propose_chained` has already consumed."""
 
     def release(self, req: Req) -> None:
         """`req` finished or was aborted: drop whatever was kept for it."""

@@ -17,6 +17,7 @@ from deltaserve.spec.rejection import accept, verify_rows
 if TYPE_CHECKING:
     from deltaserve.config import EngineConfig
     from deltaserve.core import Batch, Req
+    from deltaserve.engine.cuda_graph import VerifyChain
 
 
 class SpecRunner:
@@ -29,6 +30,11 @@ class SpecRunner:
     @property
     def wants_hidden(self) -> bool:
         return self.proposer.wants_hidden
+
+    @property
+    def chains_verify(self) -> bool:
+        """The proposer can draft for a verify step chained behind an unlanded one."""
+        return self.proposer.chains_verify
 
     @classmethod
     def build(cls, cfg: EngineConfig, model, runner) -> SpecRunner:
@@ -68,6 +74,18 @@ class SpecRunner:
             batch.num_drafts.append(len(d))
             pad = d[-1] if d else req.tokens(req.num_tokens - 1, req.num_tokens)[0]
             batch.draft_ids.append(d + [pad] * (k - len(d)))
+
+    def propose_chained(self, batch: Batch, chain: VerifyChain,
+                        hidden: torch.Tensor | None) -> bool:
+        """Drafts for a verify batch chained behind the previous verify step of the same
+        requests (Proposer.propose_chained), left on the device in `batch.draft_tensor`;
+        False when the proposer cannot make them so (nothing is changed)."""
+        drafts = self.proposer.propose_chained(batch.reqs, chain, hidden)
+        if drafts is None:
+            return False
+        batch.draft_tensor, batch.draft_ids = drafts, None
+        batch.num_drafts = [self.num_steps] * batch.size
+        return True
 
     def accept(self, batch: Batch, logits: torch.Tensor, greedy: torch.Tensor | None = None,
                accepted: torch.Tensor | None = None) -> dict[int, list[int]]:
@@ -114,6 +132,9 @@ class SpecRunner:
 
     def on_commit(self, batch: Batch, committed: list[int]) -> None:
         self.proposer.on_commit(batch, committed)
+
+    def on_chained_commit(self, batch: Batch, committed: list[int]) -> None:
+        self.proposer.on_chained_commit(batch, committed)
 
     def release(self, req: Req) -> None:
         self.proposer.release(req)

@@ -95,18 +95,46 @@ class MTPGraphs:
         (padding rows: anything); gather int64 [b*(k+1)]: the row of `src` [*, H] holding the
         target hidden state at position mtp_len_i + r; counts[i] in 1..k+1 real rows.
         """
+        ends = [m + c + self.k - 1 for m, c in zip(mtp_lens, counts)]
+        return self._replay(b, ids, gather, mtp_lens, counts, ends, page_tables, src)
+
+    @torch.inference_mode()
+    def run_chained(self, b: int, mtp_lens: list[int], counts: torch.Tensor,
+                    greedy: torch.Tensor, page_tables: list[list[int]],
+                    src: torch.Tensor) -> torch.Tensor:
+        """`run` where each request's catch-up rows are the rows the previous verify step of
+        these requests (same order) committed, not yet seen by the host (engine/
+        overlap_verify.py): that step ran request i's k+1 rows from position mtp_lens[i],
+        committed counts[i] of them (int64 [n] on the device), read the hidden states
+        src[i*(k+1) + r] and gave greedy[i, r] (int64 [n, k+1]), the token after row r. The
+        pages must cover mtp_len + 2k + 1 positions (every draft accepted)."""
+        n, r = len(mtp_lens), self.k + 1
+        gather = np.zeros(b * r, dtype=np.int64)
+        gather[:n * r] = np.arange(n * r)
+        ends = [m + r + self.k - 1 for m in mtp_lens]
+        return self._replay(b, None, gather, mtp_lens, [r] * n, ends, page_tables, src,
+                            device_rows=(greedy, counts))
+
+    def _replay(self, b: int, ids: np.ndarray | None, gather: np.ndarray, mtp_lens: list[int],
+                counts: list[int], ends: list[int], page_tables: list[list[int]],
+                src: torch.Tensor,
+                device_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         g = self.graphs.get(b) or self._capture(b)
         self.graphs[b] = g
         n, r = len(mtp_lens), self.k + 1
         ints = np.zeros(g.ints.shape[0], dtype=np.int64)
-        ints[:b * r] = ids
+        if ids is not None:
+            ints[:b * r] = ids
         ints[b * r:2 * b * r] = gather
         ints[2 * b * r:2 * b * r + n] = mtp_lens
         ints[2 * b * r + b:] = 1  # padding requests: one row
         ints[2 * b * r + b:2 * b * r + b + n] = counts
         copy_into(g.ints, ints)
+        if device_rows is not None:  # in stream order after the staged copy
+            greedy, dev_counts = device_rows
+            g.ints[:n * r].copy_(greedy.reshape(-1))
+            g.ints[2 * b * r + b:2 * b * r + b + n].copy_(dev_counts)
         # the page table, columns up to the last position any row of a request touches
-        ends = [m + c + self.k - 1 for m, c in zip(mtp_lens, counts)]
         g.cover.fill(page_tables, ends, self.kv.page_size, lengths=False)  # in-graph lengths
         torch.index_select(src, 0, g.ints[b * r:2 * b * r], out=g.hidden)
         g.replay()

@@ -32,6 +32,7 @@ import torch
 
 from deltaserve.core import FinishReason, ForwardContext, Phase
 from deltaserve.engine.attention import AttentionMetadata, PagedAttentionBackend
+from deltaserve.engine.cuda_graph import VerifyChain
 from deltaserve.spec.mtp.graph import MTPGraphs
 from deltaserve.spec.proposer import Proposer
 
@@ -71,6 +72,10 @@ class MTPProposer(Proposer):
         self.graphs: MTPGraphs | None = None  # set by use_graphs
         # a finished request's draft KV matters only to the prefix cache
         self.cache_draft_kv = cfg.enable_prefix_cache
+
+    @property
+    def chains_verify(self) -> bool:
+        return self.graphs is not None
 
     def use_graphs(self, max_reqs: int, max_kv_len: int, capture: bool = True) -> None:
         """Run verify steps' catch-up and drafts as graphs of up to max_reqs requests and
@@ -113,6 +118,15 @@ class MTPProposer(Proposer):
                 if c and (self.graphs is None or (r.finished and self.cache_draft_kv))]
         if todo:
             self._catch_up(todo)
+
+    def on_chained_commit(self, batch: Batch, committed: list[int]) -> None:
+        """After a verify step whose committed rows the next step's `propose_chained` already
+        caught up on the device: request i's draft KV is exact through device_len +
+        committed[i] (its state is that of a finished catch-up, nothing pending)."""
+        for req, c in zip(batch.reqs, committed):
+            st = self.states.get(req.rid)
+            if c and st is not None:
+                st.mtp_len, st.pending, st.first, st.first_at = req.device_len + c, [], None, -1
 
     def release(self, req: Req) -> None:
         if req.finish_reason is not FinishReason.ABORT and req.rid in self.states \
@@ -158,6 +172,28 @@ class MTPProposer(Proposer):
         for j, row in enumerate(torch.stack(steps, dim=1).tolist()):
             drafts[live[j]].extend(row)
         return drafts
+
+    @torch.inference_mode()
+    def propose_chained(self, reqs: list[Req], chain: VerifyChain,
+                        hidden: torch.Tensor) -> torch.Tensor | None:
+        """Drafts [N, k] for a verify step launched before the previous verify step of `reqs`
+        (same order) landed: one graph replay whose catch-up rows are that step's committed
+        rows, read on the device (`chain`; `hidden` [N*(k+1), H] its target hidden states).
+        None when the batch does not fit the graphs or a request has rows to catch up from
+        before that step (the caller lands it first)."""
+        if self.graphs is None:
+            return None
+        rows = self.num_steps + 1
+        b = self.graphs.bucket(len(reqs), max(chain.starts) + rows)
+        if b is None:
+            return None
+        for req, start in zip(reqs, chain.starts):
+            st = self.states.get(req.rid)
+            if st is None or st.mtp_len != start or st.pending:
+                return None
+        n = len(reqs)
+        return self.graphs.run_chained(b, chain.starts, chain.counts, chain.greedy[:n],
+                                       [r.page_table for r in reqs], hidden)
 
     def _catch_up(self, reqs: list[Req], keep: int = 0) -> None:
         """Run the head over each request's positions [mtp_len, len(all_ids) - 1 - keep).

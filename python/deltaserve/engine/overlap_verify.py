@@ -1,0 +1,228 @@
+"""Overlapped verify steps: verify step n+1 is launched before step n's tokens reach the host.
+
+(SGLang's overlapped speculative decoding, vLLM's async scheduling with speculation.) A
+synchronous verify step waits for its accepted tokens on the host before the next step can
+be built: the next drafts continue the tokens it commits, and the next rows start where it
+stopped. With MTP drafts and greedy acceptance, all of that is on the device already:
+- the verify graph computes the acceptance (`ForwardOutput.accepted`: per request the number
+  of accepted drafts a and the target's token after each row, spec/accept.py);
+- committing its rows (conv windows written, GDN rows left pending for the next verify's own
+  launch, `PoolGDNBackend.commit`) takes device counts;
+- the MTP graph's catch-up rows are exactly the rows it commits: their next tokens are the
+  target's argmax rows and their hidden states its hidden rows, and the graph computes its
+  lengths and positions itself (`MTPGraphs.run_chained`);
+- the next verify's pending token is the target's token at row a, and its rows start a + 1
+  positions on (`GraphRunner.forward(chain=...)`, `VerifyChain`).
+So launching step n+1 commits step n's rows on the device (untruncated: the host has not seen
+a stop yet), replays the MTP graph and the verify graph and starts the copy of step n+1's
+acceptance to pinned memory; then step n lands: the host waits for its copy and commits its
+tokens (stop checks, detokenizing, outputs) while the GPU runs step n+1.
+
+When: `--overlap-verify`, the MTP proposer with graphs, the verify batch in a graph bucket,
+every request plain greedy and overlappable (engine/overlap.py) and at least 2(k+1) positions
+short of its max_len (the next rows must fit whatever step n accepts). A step is chained
+behind the one in flight only if that one's requests are all still running, in the same
+order, nothing else runs or was admitted, and the policy wants k drafts. Otherwise the step in
+flight lands first and the next call schedules as usual.
+
+Hazards, and why they are harmless:
+- A request that finishes at step n (a stop among its accepted tokens, max_tokens) is already
+  in step n+1, whose launch committed step n's rows past the stop on the device: its live GDN
+  state is past device_len, so release caches no snapshot of it (`Req.ahead` > 0 while a
+  chained step of it is in flight, as for overlapped decode steps); its KV and draft KV below
+  device_len are exact. Its row of step n+1 is discarded when that step lands.
+- Pages: step n+1 writes KV up to 2(k+1) positions past step n's start; they are taken at its
+  launch (within what admission reserved) and `rollback_tail` keeps them while `ahead` > 0.
+- Graph outputs (the acceptance, the argmax rows) are overwritten by the next verify replay:
+  whatever reads step n's (the copy to the host, the commit, the MTP replay, the pending
+  token's gather) is enqueued before step n+1's replay. Hidden states are copies.
+- An abort while a step runs: as for overlapped decode steps (engine/overlap.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from deltaserve.core import Batch, Phase, Req
+from deltaserve.engine.cuda_graph import VerifyChain
+from deltaserve.engine.gdn_backend import PoolGDNBackend
+from deltaserve.engine.model_runner import ForwardOutput
+from deltaserve.engine.requests import overlappable
+from deltaserve.engine.staging import to_device
+
+if TYPE_CHECKING:
+    from deltaserve.engine.llm_engine import LLMEngine, RequestOutput
+
+
+@dataclass
+class VerifyInFlight:
+    """A launched verify step whose acceptance the host has not read: `out` its outputs
+    (greedy [N*(k+1)], accepted [N, k+2] on the device, valid until the next verify replay;
+    hidden a copy), `host` int64 [N, k+2] (pinned on CUDA) receiving `out.accepted` before
+    `event` (None on a CPU); `gdn` and `slot_ids` what its commit needs; `chained`: launched
+    behind the step before it; `committed_on_device`: the next step's launch committed its
+    rows (with the counts the device saw)."""
+
+    batch: Batch
+    out: ForwardOutput
+    host: torch.Tensor
+    event: torch.cuda.Event | None
+    gdn: PoolGDNBackend
+    slot_ids: list[int]
+    launched_at: float
+    chained: bool
+    committed_on_device: bool = False
+
+
+def chainable(req: Req, rows: int) -> bool:
+    """Whether `req` may run in a verify step launched ahead of the host: plain greedy (the
+    graph's acceptance is its tokens), nothing on the host derived from its last token, past
+    its prompt, and room for the next step's rows whatever this one accepts."""
+    p = req.params
+    return (not req.finished and not req.in_prefill and p.greedy and overlappable(req)
+            and req.device_len + 2 * rows <= req.max_len)
+
+
+class VerifyOverlap:
+    """Launches and lands verify steps for the OverlapScheduler (see the module doc).
+
+    Counters, for tests and benchmarks: `launched_steps` (verify steps launched here) and
+    `chained_steps` (of those, launched before the previous one landed).
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._host: list[torch.Tensor] = []
+        self._events: list[torch.cuda.Event] = []
+        self._turn = 0
+        self.launched_steps = 0
+        self.chained_steps = 0
+        self._landed_at = 0.0
+
+    @property
+    def on(self) -> bool:
+        eng = self.engine
+        return (eng.cfg.overlap_verify and eng.graphs is not None and eng.spec is not None
+                and eng.graphs.phase is Phase.VERIFY and eng.spec.chains_verify)
+
+    def can_launch(self, batch: Batch) -> bool:
+        """A scheduled verify batch that may run without waiting for its acceptance."""
+        rows = batch.rows_per_req
+        return (self.on and batch.phase is Phase.VERIFY
+                and all(chainable(r, rows) for r in batch.reqs)
+                and self.engine.graphs.bucket(batch) is not None)
+
+    # ---- launch -------------------------------------------------------------------------
+    def launch(self, batch: Batch) -> VerifyInFlight:
+        """Propose and replay a scheduled verify batch (`can_launch`), start the copy back."""
+        eng = self.engine
+        launched_at = time.perf_counter()
+        eng.spec.propose(batch)
+        out = eng.graphs.forward(batch, keep_hidden=True)
+        assert out is not None, "can_launch checked the bucket"
+        return self._started(batch, out, launched_at, chained=False)
+
+    def launch_chained(self, prev: VerifyInFlight) -> VerifyInFlight | None:
+        """The next verify step of `prev`'s requests, launched before `prev` lands; None when
+        it may not be (see the module doc), with nothing changed but admissions."""
+        eng, sched = self.engine, self.engine.scheduler
+        reqs, k = prev.batch.reqs, eng.spec.num_steps
+        rows = k + 1
+        if not all(chainable(r, rows) for r in reqs):
+            return None
+        sched.admit()
+        if [r.rid for r in sched.running] != [r.rid for r in reqs]:
+            return None
+        if sched.choose_drafts is not None and sched.choose_drafts(reqs) != k:
+            return None
+        starts = [r.device_len for r in reqs]
+        batch = Batch(Phase.VERIFY, list(reqs), [rows] * len(reqs), rows_per_req=rows)
+        if eng.graphs.bucket(batch, [s + rows for s in starts]) is None:
+            return None
+        launched_at = time.perf_counter()
+        for req, start in zip(reqs, starts):  # within what admission reserved
+            sched.ensure_pages(req, start + 2 * rows)
+        counts = prev.out.accepted[:, 0] + 1
+        chain = VerifyChain(starts, counts, prev.out.greedy.view(-1, rows))
+        if not eng.spec.propose_chained(batch, chain, prev.out.hidden):
+            return None
+        padded = torch.zeros(prev.gdn.meta.slots.shape[0], dtype=torch.int32,
+                             device=counts.device)
+        padded[:len(reqs)] = counts
+        prev.gdn.commit(padded, prev.slot_ids)
+        prev.committed_on_device = True
+        for req in reqs:
+            req.launch_ahead()
+        out = eng.graphs.forward(batch, keep_hidden=True, chain=chain)
+        assert out is not None, "the bucket was checked"
+        self.chained_steps += 1
+        return self._started(batch, out, launched_at, chained=True)
+
+    def _started(self, batch: Batch, out: ForwardOutput, launched_at: float,
+                 chained: bool) -> VerifyInFlight:
+        eng = self.engine
+        eng.spec.on_forward(batch, out.hidden)
+        host, event = self._buffers(batch.size, out.accepted.shape[1])
+        host.copy_(out.accepted, non_blocking=event is not None)
+        if event is not None:
+            event.record()
+        self.launched_steps += 1
+        return VerifyInFlight(batch, out, host, event, eng.runner.last_gdn,
+                              list(eng.runner.last_slot_ids), launched_at, chained)
+
+    def _buffers(self, n: int, width: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The next of two pinned buffers ([:n, :width]): a buffer is written again two
+        launches later, after the host read it (each call lands the previous launch)."""
+        if not self._host:
+            eng = self.engine
+            pin = eng.device.type == "cuda"
+            size = (eng.cfg.max_running_reqs, eng.cfg.decode_rows_per_req + 1)
+            self._host = [torch.empty(size, dtype=torch.long, pin_memory=pin)
+                          for _ in range(2)]
+            self._events = [torch.cuda.Event() for _ in range(2)] if pin else []
+        self._turn ^= 1
+        return (self._host[self._turn][:n, :width],
+                self._events[self._turn] if self._events else None)
+
+    # ---- land ---------------------------------------------------------------------------
+    def land(self, prev: VerifyInFlight) -> list[RequestOutput]:
+        """Wait for `prev`'s acceptance, commit its tokens and return its outputs (requests
+        that finished before it landed are skipped)."""
+        if prev.event is not None:
+            prev.event.synchronize()
+        rows = prev.host.tolist()
+        eng, batch = self.engine, prev.batch
+        early = eng.flush_outputs()
+        if prev.chained:
+            for req in batch.reqs:
+                req.land_ahead()
+        live = [r for r in batch.reqs if not r.finished]
+        before = {r.rid: len(r.output_ids) for r in live}
+        sampled = {r.rid: row[1:row[0] + 2] for r, row in zip(batch.reqs, rows)
+                   if not r.finished}
+        eng.scheduler.process(batch, sampled,
+                              commit_rows=lambda counts: self._commit_rows(prev, counts))
+        eng.num_steps += 1
+        now = time.perf_counter()
+        if eng.policy is not None:
+            eng.policy.on_step(batch.rows_per_req - 1, batch.size,
+                               now - max(prev.launched_at, self._landed_at))
+        self._landed_at = now
+        eng.log_step(batch)
+        new_by_rid = {r.rid: r.output_ids[before[r.rid]:] for r in live}
+        return early + eng.emit(live, new_by_rid)
+
+    def _commit_rows(self, prev: VerifyInFlight, counts: list[int]) -> None:
+        eng = self.engine
+        if prev.committed_on_device:
+            eng.spec.on_chained_commit(prev.batch, counts)
+        else:
+            pad = prev.gdn.meta.slots.shape[0] - len(counts)
+            prev.gdn.commit(to_device(counts + [0] * pad, torch.int32, eng.device),
+                            prev.slot_ids)
+            eng.spec.on_commit(prev.batch, counts)
+        eng.count_verify(prev.batch, counts)
