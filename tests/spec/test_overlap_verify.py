@@ -110,6 +110,28 @@ def test_stops_inside_accepted_runs_and_an_abort_mid_chain(prompts):
     assert_drained(llm.engine)
 
 
+def test_chains_go_on_without_the_requests_that_finished(prompts):
+    """Requests that stop at different steps: the chain carries on over those still running
+    (their rows gathered from the previous step's on the device), tokens unchanged."""
+    params = [greedy(40, stop_token_ids=sp.stop_token_ids) if i % 2 else greedy(30 + 4 * i)
+              for i, sp in enumerate(stops_inside_runs(prompts))]
+    want = [o.token_ids for o in make(False, spec=False).generate(prompts, params)]
+    llm = make(True)
+    sizes = []
+    launch = llm.engine.overlap.verify.launch_chained
+
+    def recording(prev):
+        nxt = launch(prev)
+        if nxt is not None:
+            sizes.append((prev.batch.size, nxt.batch.size))
+        return nxt
+
+    llm.engine.overlap.verify.launch_chained = recording
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert any(after < before for before, after in sizes), sizes
+    assert_drained(llm.engine)
+
+
 def stops_on_the_grid(prompts: list[list[int]], grid: int = 64) -> list[tuple]:
     """(prompt, params) pairs, prompts cut from `prompts` to lengths whose greedy output has a
     new token exactly where the request then holds `grid` tokens in KV: a stop there makes

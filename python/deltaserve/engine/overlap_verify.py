@@ -21,9 +21,10 @@ tokens (stop checks, detokenizing, outputs) while the GPU runs step n+1.
 When: `--overlap-verify`, the MTP proposer with graphs, the verify batch in a graph bucket,
 every request plain greedy and overlappable (engine/overlap.py) and at least 2(k+1) positions
 short of its max_len (the next rows must fit whatever step n accepts). A step is chained
-behind the one in flight only if that one's requests are all still running, in the same
-order, nothing else runs or was admitted, and the policy wants k drafts. Otherwise the step in
-flight lands first and the next call schedules as usual.
+behind the one in flight for that one's requests still running (a request that finished
+when an earlier step landed is left out), in the same order, if nothing else runs or was
+admitted and the policy wants k drafts. Otherwise the step in flight lands first and the
+next call schedules as usual.
 
 Hazards, and why they are harmless:
 - A request that finishes at step n (a stop among its accepted tokens, max_tokens) is already
@@ -127,12 +128,15 @@ class VerifyOverlap:
         return self._started(batch, out, launched_at, chained=False)
 
     def launch_chained(self, prev: VerifyInFlight) -> VerifyInFlight | None:
-        """The next verify step of `prev`'s requests, launched before `prev` lands; None when
-        it may not be (see the module doc), with nothing changed but admissions."""
+        """The next verify step of `prev`'s requests that are still running (same order),
+        launched before `prev` lands; None when it may not be (see the module doc), with
+        nothing changed but admissions."""
         eng, sched = self.engine, self.engine.scheduler
-        reqs, k = prev.batch.reqs, eng.spec.num_steps
+        k = eng.spec.num_steps
         rows = k + 1
-        if not all(chainable(r, rows) for r in reqs):
+        live = [i for i, r in enumerate(prev.batch.reqs) if not r.finished]
+        reqs = [prev.batch.reqs[i] for i in live]
+        if not reqs or not all(chainable(r, rows) for r in reqs):
             return None
         sched.admit()
         if [r.rid for r in sched.running] != [r.rid for r in reqs]:
@@ -140,19 +144,32 @@ class VerifyOverlap:
         if sched.choose_drafts is not None and sched.choose_drafts(reqs) != k:
             return None
         starts = [r.device_len for r in reqs]
-        batch = Batch(Phase.VERIFY, list(reqs), [rows] * len(reqs), rows_per_req=rows)
+        batch = Batch(Phase.VERIFY, reqs, [rows] * len(reqs), rows_per_req=rows)
         if eng.graphs.bucket(batch, [s + rows for s in starts]) is None:
             return None
         launched_at = time.perf_counter()
         for req, start in zip(reqs, starts):  # within what admission reserved
             sched.ensure_pages(req, start + 2 * rows)
-        counts = prev.out.accepted[:, 0] + 1
-        chain = VerifyChain(starts, counts, prev.out.greedy.view(-1, rows))
-        if not eng.spec.propose_chained(batch, chain, prev.out.hidden):
+        counts = prev.out.accepted[:, 0] + 1  # every row of prev
+        greedy, hidden = prev.out.greedy.view(-1, rows), prev.out.hidden
+        gone = len(prev.batch.reqs) - len(live)  # finished when an earlier step landed
+        if gone:
+            index = to_device(live, torch.long, counts.device)
+            greedy = greedy.index_select(0, index)
+            hidden = hidden.view(len(prev.batch.reqs), rows, -1).index_select(0, index)
+            hidden = hidden.view(len(live) * rows, -1)
+        chain = VerifyChain(starts, counts if not gone else counts.index_select(0, index),
+                            greedy)
+        if not eng.spec.propose_chained(batch, chain, hidden):
             return None
+        # prev's rows committed with the counts its graph computed (0 for requests already
+        # finished: their slots may have a new owner)
         padded = torch.zeros(prev.gdn.meta.slots.shape[0], dtype=torch.int32,
                              device=counts.device)
-        padded[:len(reqs)] = counts
+        padded[:len(prev.batch.reqs)] = counts
+        if gone:
+            dead = [i for i, r in enumerate(prev.batch.reqs) if r.finished]
+            padded.index_fill_(0, to_device(dead, torch.long, counts.device), 0)
         prev.gdn.commit(padded, prev.slot_ids)
         prev.committed_on_device = True
         for req in reqs:
