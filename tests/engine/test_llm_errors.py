@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.testing import make_tiny_checkpoint
@@ -135,3 +136,21 @@ def test_a_model_folder_given_as_a_path_is_loaded(tmp_path):
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2,
                                                       ignore_eos=True))
     assert len(out.token_ids) == 2
+
+
+def test_caches_that_do_not_fit_in_memory_are_a_value_error_naming_the_flags(tmp_path,
+                                                                            monkeypatch):
+    # a fresh user's finding: --max-running-reqs 100000000 ended in the allocator's traceback
+    import deltaserve.engine.caches as caches
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 73.24 TiB")
+
+    monkeypatch.setattr(caches, "GDNStatePool", out_of_memory)
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0)
+    with pytest.raises(ValueError) as e:
+        LLM(str(path), device="cpu", dtype="float32", max_running_reqs=1000, num_pages=64)
+    says = str(e.value)
+    assert says.startswith("the caches do not fit in memory: 64 KV pages of 16 tokens, 4001 GDN "
+                           "state slots (1 + 2 x --max-running-reqs 1000 + 2000 snapshot")
+    assert "Tried to allocate 73.24 TiB" in says and "lower --max-running-reqs" in says

@@ -235,6 +235,17 @@ def test_chat_extensions_that_would_change_the_rendered_prompt_are_refused(extra
                           chat_template_kwargs={"enable_thinking": False}).check_supported()
 
 
+def test_best_of_on_chat_is_refused_unless_it_changes_nothing():
+    # a fresh user's finding: a streamed chat request with best_of 3 > n 2 got 200, best_of
+    # silently ignored (chat completions have no best_of; /v1/completions does)
+    msgs = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(InvalidRequest) as e:
+        ChatCompletionRequest(messages=msgs, n=2, best_of=3, stream=True).check_supported()
+    assert e.value.param == "best_of" and "/v1/completions" in e.value.message
+    ChatCompletionRequest(messages=msgs, n=2, best_of=2).check_supported()
+    ChatCompletionRequest(messages=msgs, best_of=1).check_supported()
+
+
 def test_vllm_extensions_left_at_their_defaults_and_unknown_fields_are_accepted():
     CompletionRequest(prompt="Hi", min_tokens=0, use_beam_search=False, guided_json=None,
                       allowed_token_ids=[], unknown_field=1).check_supported()

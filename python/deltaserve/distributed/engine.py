@@ -199,9 +199,12 @@ class TPEngine(LLMEngine):
     def close(self) -> None:
         """Stop the workers (rank 0). The engine is unusable afterwards."""
         if self.workers is not None:
-            self.workers.stop(graceful=self.failure is None)
+            graceful = self.failure is None
+            # first: the watchdog then takes the workers' exits for the shutdown they are
+            # (it logged "rank 1 exited with code -15" as an error on a plain Ctrl-C)
             if self.failure is None:
                 self.failure = "the engine was closed"
+            self.workers.stop(graceful=graceful)
 
     def __del__(self) -> None:
         workers = getattr(self, "workers", None)

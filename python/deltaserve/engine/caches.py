@@ -47,19 +47,30 @@ def build_caches(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, device:
         cap = cfg.max_running_reqs * -(-(max_model_len + cfg.decode_rows_per_req)
                                        // cfg.page_size) + 1
         num_pages = min(num_pages, cap)
-    kv = PagedKVCache(attn_layers, num_pages, cfg.page_size, mc.num_key_value_heads,
-                      mc.head_dim, dtype, device)
-    draft_kv = (PagedKVCache(draft_layers, num_pages, cfg.page_size, mc.num_key_value_heads,
-                             mc.head_dim, dtype, device) if draft_layers else None)
-    page_pool = PagePool(num_pages, cfg.page_size)
     snapshot_slots = (cfg.num_snapshot_slots if cfg.num_snapshot_slots is not None
                       else 2 * cfg.max_running_reqs)
     num_slots = 1 + 2 * cfg.max_running_reqs + snapshot_slots
-    state_pool = GDNStatePool(
-        mc.num_gdn_layers, num_slots, mc.linear_num_value_heads, mc.linear_value_head_dim,
-        mc.linear_key_head_dim, mc.conv_dim, mc.linear_conv_kernel_dim, device, dtype)
-    host_bank = (HostSnapshotBank.like(state_pool, cfg.host_snapshot_slots)
-                 if cfg.host_snapshot_slots > 0 and cfg.enable_prefix_cache else None)
+    try:
+        kv = PagedKVCache(attn_layers, num_pages, cfg.page_size, mc.num_key_value_heads,
+                          mc.head_dim, dtype, device)
+        draft_kv = (PagedKVCache(draft_layers, num_pages, cfg.page_size,
+                                 mc.num_key_value_heads, mc.head_dim, dtype, device)
+                    if draft_layers else None)
+        state_pool = GDNStatePool(
+            mc.num_gdn_layers, num_slots, mc.linear_num_value_heads, mc.linear_value_head_dim,
+            mc.linear_key_head_dim, mc.conv_dim, mc.linear_conv_kernel_dim, device, dtype)
+        host_bank = (HostSnapshotBank.like(state_pool, cfg.host_snapshot_slots)
+                     if cfg.host_snapshot_slots > 0 and cfg.enable_prefix_cache else None)
+    except RuntimeError as e:  # torch.OutOfMemoryError on CUDA, an allocator error on CPU
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"the caches do not fit in memory: {num_pages} KV pages of {cfg.page_size} "
+            f"tokens, {num_slots} GDN state slots (1 + 2 x --max-running-reqs "
+            f"{cfg.max_running_reqs} + {snapshot_slots} snapshot slots), "
+            f"{cfg.host_snapshot_slots} host snapshot slots ({first[:200]}); lower "
+            "--max-running-reqs, --num-pages / --kv-memory-gb, --num-snapshot-slots or "
+            "--host-snapshot-slots") from None
+    page_pool = PagePool(num_pages, cfg.page_size)
     prefix_cache = PrefixCache(page_pool, state_pool, cfg.page_size,
                                grid=math.lcm(cfg.snapshot_grid, cfg.page_size),
                                key_fn=lookahead_keys if cfg.radix_lookahead else None,

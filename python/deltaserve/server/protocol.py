@@ -272,6 +272,9 @@ class ChatCompletionRequest(_GenerationRequest):
                                      "deltaserve (use tool_calls)", f"messages.{i}.function_call")
         response_format_kind(self.response_format)
         refuse_set_extras(extra, VLLM_CHAT_UNSUPPORTED)
+        if extra.get("best_of") not in (None, self.n or 1):  # it was ignored (a fresh user)
+            raise InvalidRequest("best_of is a /v1/completions parameter; chat completions "
+                                 "return n choices", "best_of")
         if extra.get("add_generation_prompt", True) is not True:
             raise InvalidRequest("add_generation_prompt must be true: deltaserve always ends "
                                  "the rendered chat with the assistant's turn",
