@@ -206,3 +206,12 @@ def test_chains_between_overlapped_plain_decode_steps(prompts, pattern):
     assert eng.overlap.verify.chained_steps > 0 and eng.overlap.overlapped_steps > 0
     assert 0 in policy.seen and K in policy.seen
     assert_drained(eng)
+
+
+def test_overlap_verify_where_it_cannot_work_says_so(caplog):
+    # a CPU device: no CUDA graphs, so verify steps run synchronously (and the log says why)
+    with caplog.at_level("WARNING", logger="deltaserve.engine"):
+        llm = LLM(None, device="cpu", dtype="float32", num_pages=64,
+                  speculative_algorithm="mtp", overlap_verify=True)
+    assert any("--overlap-verify has no effect here" in r.message for r in caplog.records)
+    assert not llm.engine.overlap.verify.on

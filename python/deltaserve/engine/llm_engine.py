@@ -165,6 +165,9 @@ class LLMEngine:
         self.overlap = (OverlapScheduler(self) if cfg.overlap_schedule
                         and cfg.tensor_parallel_size == 1 else None)
         self._deferred: tuple | None = None  # emit()'s arguments for a verify step's outputs
+        if cfg.overlap_verify and (self.overlap is None or not self.overlap.verify.on):
+            logger.warning("--overlap-verify has no effect here: it needs CUDA graphs, the MTP "
+                           "proposer's graphs and overlap scheduling at tensor parallel size 1")
         if cfg.capture_graphs_at_start:
             self._capture_graphs()
 
