@@ -52,16 +52,17 @@ def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
-def record_commits(llm: LLM) -> list[int]:
-    """Rows kept per request per verify step, as the engine counts them."""
-    eng, seen = llm.engine, []
-    count = eng.count_verify
+def record_chained_commits(llm: LLM) -> list[int]:
+    """Rows kept per request by each verify step whose rows the next (chained) step's launch
+    committed on the device."""
+    spec, seen = llm.engine.spec, []
+    commit = spec.on_chained_commit
 
     def counting(batch, counts):
         seen.extend(c for c in counts if c)
-        count(batch, counts)
+        commit(batch, counts)
 
-    eng.count_verify = counting
+    spec.on_chained_commit = counting
     return seen
 
 
@@ -71,7 +72,7 @@ def test_chained_verify_steps_give_plain_greedy_tokens(prompts):
     sync = make(False)
     assert [o.token_ids for o in sync.generate(prompts, params)] == want
     llm = make(True)
-    commits = record_commits(llm)
+    commits = record_chained_commits(llm)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
     verify = llm.engine.overlap.verify
