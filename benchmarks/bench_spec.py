@@ -287,6 +287,9 @@ def main() -> None:
         busy = {key: n for key, n in r["timed_counts"].items() if n}
         if busy:
             print(f"timed run of {r['algo']} {r['policy']} batch {r['batch']}: {busy}")
+        if r.get("chained_steps"):
+            print(f"{r['algo']} {r['policy']} batch {r['batch']}: {r['chained_steps']} verify "
+                  "steps chained (launched before the previous one landed), all runs")
     for r in rows:
         r.pop("tokens")
         r.pop("gaps")
