@@ -172,8 +172,10 @@ class Req:
     cached_len: int = 0
     device_len: int = 0
     pending: int = 0
-    # decode rows launched past device_len whose tokens the host has not processed yet
-    # (overlap scheduling, engine/overlap.py): KV and the live GDN state run this far ahead
+    # steps launched past device_len whose tokens the host has not processed yet: decode
+    # rows (overlap scheduling, engine/overlap.py: positions run this far ahead) or a chained
+    # verify step (engine/overlap_verify.py); while > 0 the KV and the live GDN state may be
+    # past device_len: release keeps no end snapshot, rollback_tail frees no pages
     ahead: int = 0
     slot: int | None = None
     page_table: list[int] = field(default_factory=list)

@@ -66,7 +66,7 @@ from deltaserve.engine.cuda_graph import DeviceTokens
 from deltaserve.engine.overlap_verify import VerifyInFlight, VerifyOverlap
 from deltaserve.engine.requests import overlappable
 from deltaserve.engine.sampling import SamplingRow, SamplingTensors, sample
-from deltaserve.engine.staging import to_device
+from deltaserve.engine.staging import CopyBack, to_device
 
 if TYPE_CHECKING:
     from deltaserve.engine.llm_engine import LLMEngine, RequestOutput
@@ -106,15 +106,14 @@ class OverlapScheduler:
         self.engine = engine
         self.enabled = True
         self.inflight: InFlight | VerifyInFlight | None = None
-        self._host: list[torch.Tensor] = []  # two pinned token buffers, used in turn
-        self._events: list[torch.cuda.Event] = []
-        self._turn = 0
+        self._copies = CopyBack((engine.cfg.max_running_reqs,), engine.device)  # the tokens
         self.launched_steps = 0
         self.launched_rows = 0
         self.overlapped_steps = 0
         self.discarded_rows = 0
         self._landed_at = 0.0  # time.perf_counter() when the last step landed
-        self.verify = VerifyOverlap(engine)  # verify steps launched ahead (overlap_verify.py)
+        # verify steps launched ahead (overlap_verify.py)
+        self.verify = VerifyOverlap(engine, self.record_landing)
 
     @property
     def graphs(self):
@@ -216,27 +215,11 @@ class OverlapScheduler:
             req.launch_ahead()
         if spec is not None:  # every row is ahead of the host now (see the module doc)
             spec.on_forward(batch, out.hidden)
-        host, event = self._buffers(batch.size)
-        host.copy_(tokens, non_blocking=event is not None)
-        if event is not None:
-            event.record()
+        host, event = self._copies.start(tokens)
         self.launched_steps += 1
         self.launched_rows += batch.size
         self.overlapped_steps += device_tokens is not None
         return InFlight(batch, tokens, host, event, launched_at)
-
-    def _buffers(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """The next of the two pinned token buffers ([:n]) and its event. A buffer is written
-        again two launches later, after the host has read it (each call lands the previous
-        launch before it returns)."""
-        dev = self.engine.device
-        if not self._host:
-            size = self.engine.cfg.max_running_reqs
-            pin = dev.type == "cuda"
-            self._host = [torch.empty(size, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-            self._events = [torch.cuda.Event() for _ in range(2)] if pin else []
-        self._turn ^= 1
-        return self._host[self._turn][:n], (self._events[self._turn] if self._events else None)
 
     # ---- land ---------------------------------------------------------------------------
     def _land(self, prev: InFlight) -> list[RequestOutput]:
@@ -254,13 +237,21 @@ class OverlapScheduler:
         before = {r.rid: len(r.output_ids) for r in live}
         sampled = {r.rid: [t] for r, t in zip(batch.reqs, tokens) if not r.finished}
         eng.scheduler.process(batch, sampled)
-        eng.num_steps += 1
-        now = time.perf_counter()
-        if eng.policy is not None:  # this step's period: its cost beside a verify step's
-            eng.policy.on_step(0, batch.size, now - max(prev.launched_at, self._landed_at))
-        self._landed_at = now
-        eng.log_step(batch)
+        self.record_landing(batch, prev.launched_at)
         if self.inflight is not None and all(r.finished for r in self.inflight.batch.reqs):
             self.inflight = None  # only discarded rows: nothing will land
         new_by_rid = {r.rid: r.output_ids[before[r.rid]:] for r in live}
         return eng.emit(live, new_by_rid)
+
+    def record_landing(self, batch: Batch, launched_at: float) -> None:
+        """A step launched at `launched_at` (time.perf_counter()) landed: counted, logged, and
+        its period (from the later of its launch and the previous landing of any kind, to now)
+        handed to the policy as its cost beside the other kind's."""
+        eng = self.engine
+        eng.num_steps += 1
+        now = time.perf_counter()
+        if eng.policy is not None:
+            eng.policy.on_step(batch.rows_per_req - 1, batch.size,
+                               now - max(launched_at, self._landed_at))
+        self._landed_at = now
+        eng.log_step(batch)

@@ -43,6 +43,7 @@ Hazards, and why they are harmless:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,7 +54,7 @@ from deltaserve.engine.cuda_graph import VerifyChain
 from deltaserve.engine.gdn_backend import PoolGDNBackend
 from deltaserve.engine.model_runner import ForwardOutput
 from deltaserve.engine.requests import overlappable
-from deltaserve.engine.staging import to_device
+from deltaserve.engine.staging import CopyBack, to_device
 
 if TYPE_CHECKING:
     from deltaserve.engine.llm_engine import LLMEngine, RequestOutput
@@ -95,14 +96,15 @@ class VerifyOverlap:
     `chained_steps` (of those, launched before the previous one landed).
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine,
+                 record_landing: Callable[[Batch, float], None]) -> None:
         self.engine = engine
-        self._host: list[torch.Tensor] = []
-        self._events: list[torch.cuda.Event] = []
-        self._turn = 0
+        self.record_landing = record_landing  # OverlapScheduler's: counts, policy, log
+        cfg = engine.cfg
+        self._copies = CopyBack((cfg.max_running_reqs, cfg.decode_rows_per_req + 1),
+                                engine.device)  # the acceptance
         self.launched_steps = 0
         self.chained_steps = 0
-        self._landed_at = 0.0
 
     @property
     def on(self) -> bool:
@@ -183,27 +185,10 @@ class VerifyOverlap:
                  chained: bool) -> VerifyInFlight:
         eng = self.engine
         eng.spec.on_forward(batch, out.hidden)
-        host, event = self._buffers(batch.size, out.accepted.shape[1])
-        host.copy_(out.accepted, non_blocking=event is not None)
-        if event is not None:
-            event.record()
+        host, event = self._copies.start(out.accepted)
         self.launched_steps += 1
         return VerifyInFlight(batch, out, host, event, eng.runner.last_gdn,
                               list(eng.runner.last_slot_ids), launched_at, chained)
-
-    def _buffers(self, n: int, width: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """The next of two pinned buffers ([:n, :width]): a buffer is written again two
-        launches later, after the host read it (each call lands the previous launch)."""
-        if not self._host:
-            eng = self.engine
-            pin = eng.device.type == "cuda"
-            size = (eng.cfg.max_running_reqs, eng.cfg.decode_rows_per_req + 1)
-            self._host = [torch.empty(size, dtype=torch.long, pin_memory=pin)
-                          for _ in range(2)]
-            self._events = [torch.cuda.Event() for _ in range(2)] if pin else []
-        self._turn ^= 1
-        return (self._host[self._turn][:n, :width],
-                self._events[self._turn] if self._events else None)
 
     # ---- land ---------------------------------------------------------------------------
     def land(self, prev: VerifyInFlight) -> list[RequestOutput]:
@@ -223,13 +208,7 @@ class VerifyOverlap:
                    if not r.finished}
         eng.scheduler.process(batch, sampled,
                               commit_rows=lambda counts: self._commit_rows(prev, counts))
-        eng.num_steps += 1
-        now = time.perf_counter()
-        if eng.policy is not None:
-            eng.policy.on_step(batch.rows_per_req - 1, batch.size,
-                               now - max(prev.launched_at, self._landed_at))
-        self._landed_at = now
-        eng.log_step(batch)
+        self.record_landing(batch, prev.launched_at)
         new_by_rid = {r.rid: r.output_ids[before[r.rid]:] for r in live}
         return early + eng.emit(live, new_by_rid)
 

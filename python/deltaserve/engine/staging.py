@@ -74,6 +74,36 @@ _rings: dict[int, PinnedRing] = {}
 _rings_lock = threading.Lock()
 
 
+class CopyBack:
+    """Device -> host copies of a launched step's results that the host reads one call later
+    (overlap scheduling): two pinned buffers of `shape` used in turn, each copy followed by an
+    event. A buffer is written again two launches later, after the host read it: each call
+    lands the step launched before it returns. On a CPU device plain memory and no event (the
+    copy is done at once). int64 buffers, allocated on the first copy."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+        self.shape, self.pin = shape, device.type == "cuda"
+        self._bufs: list[torch.Tensor] = []
+        self._events: list[torch.cuda.Event] = []
+        self._turn = 0
+
+    def start(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Copy `src` (int64, each dimension at most `shape`'s) into the next buffer without
+        blocking; returns (its host view, the event to synchronize on before reading it: None
+        on a CPU)."""
+        if not self._bufs:
+            self._bufs = [torch.empty(self.shape, dtype=torch.long, pin_memory=self.pin)
+                          for _ in range(2)]
+            self._events = [torch.cuda.Event() for _ in range(2)] if self.pin else []
+        self._turn ^= 1
+        host = self._bufs[self._turn][tuple(slice(0, n) for n in src.shape)]
+        event = self._events[self._turn] if self._events else None
+        host.copy_(src, non_blocking=event is not None)
+        if event is not None:
+            event.record()
+        return host, event
+
+
 def _ring(device: torch.device) -> PinnedRing:
     index = device.index if device.index is not None else torch.cuda.current_device()
     ring = _rings.get(index)

@@ -64,8 +64,7 @@ class SpecRunner:
         k = self.num_steps
         drafts = self.proposer.propose(batch.reqs)
         if isinstance(drafts, torch.Tensor):  # k drafts per request, left on the device
-            batch.draft_tensor, batch.draft_ids = drafts, None
-            batch.num_drafts = [k] * batch.size
+            _device_drafts(batch, drafts, k)
             return
         batch.draft_tensor = None
         batch.draft_ids, batch.num_drafts = [], []
@@ -83,8 +82,7 @@ class SpecRunner:
         drafts = self.proposer.propose_chained(batch.reqs, chain, hidden)
         if drafts is None:
             return False
-        batch.draft_tensor, batch.draft_ids = drafts, None
-        batch.num_drafts = [self.num_steps] * batch.size
+        _device_drafts(batch, drafts, self.num_steps)
         return True
 
     def accept(self, batch: Batch, logits: torch.Tensor, greedy: torch.Tensor | None = None,
@@ -138,6 +136,12 @@ class SpecRunner:
 
     def release(self, req: Req) -> None:
         self.proposer.release(req)
+
+
+def _device_drafts(batch: Batch, drafts: torch.Tensor, k: int) -> None:
+    """`batch` verifies k drafts per request held on the device (int64 [N, k])."""
+    batch.draft_tensor, batch.draft_ids = drafts, None
+    batch.num_drafts = [k] * batch.size
 
 
 def _plain_greedy(p) -> bool:
