@@ -23,9 +23,10 @@ captured when their experts run without a host sync at the largest batch
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,7 +36,13 @@ from deltaserve.engine.attention import PagedAttentionBackend, PagedMetadata
 from deltaserve.engine.gdn_backend import GDNMetadata, PoolGDNBackend
 from deltaserve.engine.model_runner import ForwardOutput, ModelRunner
 from deltaserve.engine.staging import copy_into, row_positions
+from deltaserve.model.mlp import moe_graph_safe
 from deltaserve.spec.accept import pack_greedy
+
+if TYPE_CHECKING:
+    from deltaserve.config import EngineConfig
+
+logger = logging.getLogger("deltaserve.engine")
 
 
 def buckets(limit: int, start: int) -> list[int]:
@@ -236,6 +243,30 @@ class GraphRunner:
             return _Graph(step, ints, input_ids, positions, attn, gdn, *step())
         graph, outputs = capture(step, self.pool)
         return _Graph(lambda: graph.replay(), ints, input_ids, positions, attn, gdn, *outputs)
+
+
+def build_graph_runners(cfg: EngineConfig, model, runner: ModelRunner, spec,
+                        max_model_len: int) -> tuple[GraphRunner | None, GraphRunner | None]:
+    """The engine's graph runners: (the step graphs: verify graphs with speculation, else
+    decode graphs; the decode graphs of the plain steps an adaptive policy picks, else None).
+    Both None off CUDA, with `cfg.cuda_graphs` off, or for a MoE model whose experts would sync
+    with the host at the largest batch (logged). With MTP graphs on, `spec.use_graphs` gets the
+    same batch bound. Raises nothing of its own."""
+    if not cfg.cuda_graphs or runner.device.type != "cuda":
+        return None, None
+    rows = cfg.max_running_reqs * cfg.decode_rows_per_req
+    if not moe_graph_safe(model, rows):
+        logger.warning("MoE experts in %s would sync with the host at %d rows (no sync-free "
+                       "grouped GEMM for this GPU and dtype; the gathered form exceeds its "
+                       "memory budget): CUDA graphs are off", next(model.parameters()).dtype, rows)
+        return None, None
+    graphs = GraphRunner(runner, cfg.max_running_reqs, cfg.decode_rows_per_req, max_model_len)
+    plain = None
+    if spec is not None and cfg.speculative_policy != "fixed":
+        plain = GraphRunner(runner, cfg.max_running_reqs, 1, max_model_len)
+    if spec is not None and cfg.mtp_cuda_graphs:  # same buckets, same bound
+        spec.use_graphs(cfg.max_running_reqs, max_model_len)
+    return graphs, plain
 
 
 def _chain_inputs(g: _Graph, chain: VerifyChain, n: int, rows: int) -> None:

@@ -13,7 +13,7 @@ import torch
 from deltaserve.config import EngineConfig
 from deltaserve.core import Batch, FinishReason, Phase, Req, SamplingParams
 from deltaserve.engine.caches import build_caches
-from deltaserve.engine.cuda_graph import GraphRunner
+from deltaserve.engine.cuda_graph import build_graph_runners
 from deltaserve.engine.forks import ForkGroups, parent_params
 from deltaserve.engine.grammar import GrammarBackend
 from deltaserve.engine.healing import TokenHealer, healing_rows, mask_first_tokens
@@ -24,7 +24,6 @@ from deltaserve.engine.requests import new_req
 from deltaserve.engine.sampling import SamplingRow, sample_rows
 from deltaserve.engine.spec_protocol import load_spec_runtime
 from deltaserve.engine.status import cache_status, check_integrity, engine_metrics, log_step
-from deltaserve.model.mlp import moe_graph_safe
 from deltaserve.ops._ext import KERNEL_HEAD_DIMS
 from deltaserve.scheduler.scheduler import Scheduler
 from deltaserve.spec.policy import build_policy
@@ -121,22 +120,10 @@ class LLMEngine:
         # adaptive: each decode step verifies k drafts or runs a plain decode (spec/policy.py)
         self.policy = (build_policy(cfg.speculative_policy, cfg.speculative_num_steps)
                        if self.spec is not None else None)
-        self.graphs = None  # verify graphs with speculation, else decode graphs
-        self.decode_graphs = None  # the plain decode steps an adaptive policy picks
-        if cfg.cuda_graphs and self.device.type == "cuda":
-            if moe_graph_safe(self.model, cfg.max_running_reqs * cfg.decode_rows_per_req):
-                self.graphs = GraphRunner(self.runner, cfg.max_running_reqs,
-                                          cfg.decode_rows_per_req, self.max_model_len)
-                if self.policy is not None and cfg.speculative_policy != "fixed":
-                    self.decode_graphs = GraphRunner(self.runner, cfg.max_running_reqs, 1,
-                                                     self.max_model_len)
-                if self.spec is not None and cfg.mtp_cuda_graphs:  # same buckets, same bound
-                    self.spec.use_graphs(cfg.max_running_reqs, self.max_model_len)
-            else:
-                logger.warning("MoE experts in %s would sync with the host at %d rows (no "
-                               "sync-free grouped GEMM for this GPU and dtype; the gathered "
-                               "form exceeds its memory budget): CUDA graphs are off",
-                               self.dtype, cfg.max_running_reqs * cfg.decode_rows_per_req)
+        # verify graphs with speculation, else decode graphs; decode_graphs: the plain decode
+        # steps an adaptive policy picks
+        self.graphs, self.decode_graphs = build_graph_runners(cfg, self.model, self.runner,
+                                                              self.spec, self.max_model_len)
         self.scheduler = Scheduler(cfg, self.page_pool, self.state_pool, self.prefix_cache,
                                    self.eos_ids,
                                    on_release=self._release if self.spec else None,
