@@ -132,9 +132,22 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--disable-mtp-cuda-graphs needs --speculative-algorithm mtp")
     if cfg.overlap_verify and cfg.speculative_algorithm != "mtp":
         raise ValueError("--overlap-verify needs --speculative-algorithm mtp")
-    cfg.validate()
-    cfg.resolve_speculation()
+    try:
+        cfg.validate()
+        cfg.resolve_speculation()
+    except ValueError as e:
+        raise ValueError(_as_flag(str(e))) from None
     return cfg
+
+
+def _as_flag(message: str) -> str:
+    """A config error that opens with a field name ("page_size must be >= 1"), opened with
+    that field's flag instead, as the user typed it ("--page-size must be >= 1")."""
+    head = message.split(" ", 1)[0]
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == head and f.name not in _DERIVED:
+            return _flag(f.name, f.default) + message[len(head):]
+    return message
 
 
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
