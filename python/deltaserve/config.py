@@ -53,7 +53,8 @@ class EngineConfig:
     overlap_schedule: bool = True
     # verify: launch MTP verify step n+1 before step n's acceptance reaches the host
     # (engine/overlap_verify.py; greedy requests, CUDA graphs, the MTP proposer's graphs).
-    # Off until its GPU tests have run (they have not: tests/spec/test_gpu_overlap_verify.py)
+    # Off: exact on the GPU (tests/spec/test_gpu_overlap_verify.py), but no faster there (12-05,
+    # H100: a verify step is bound by its host work, which chaining does not shrink; RESULTS.md)
     overlap_verify: bool = False
     tensor_parallel_size: int = 1  # worker processes (one per GPU); > 1: deltaserve/distributed
     distributed_timeout_s: float = 120.0  # a collective or a rank's answer waits at most this

@@ -15,7 +15,6 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.default_model import default_model_path
 from drained import assert_drained
 from oracle import assert_same_greedy, reference_greedy
-from overlap_driver import first_new
 
 pytestmark = pytest.mark.gpu
 
@@ -34,6 +33,14 @@ def make(overlap_verify: bool, dtype: str, policy: str = "fixed") -> LLM:
                speculative_policy=policy, overlap_verify=overlap_verify)
 
 
+def stop_index(out: list[int], j: int) -> int:
+    """An index of `out` whose token does not occur before it (a stop token there ends the
+    request at exactly that output): the first at or after j, else the last before it (a
+    greedy output that only repeats after j; index 0 always qualifies)."""
+    new = [i for i in range(len(out)) if out[i] not in out[:i]]
+    return next((i for i in new if i >= j), new[-1])
+
+
 def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
@@ -47,7 +54,7 @@ def test_gpu_chained_verify_steps_give_the_synchronous_tokens(dtype):
     prompts = [tok.encode(t) for t in OPENINGS]
     free = [o.token_ids for o in sync.generate(prompts, [greedy(48)] * len(prompts))]
     # half the requests stop at a new token inside their output, the rest run to max_tokens
-    params = [greedy(48, stop_token_ids=[out[first_new(out, 10 + 3 * i)]]) if i % 2 else
+    params = [greedy(48, stop_token_ids=[out[stop_index(out, 10 + 3 * i)]]) if i % 2 else
               greedy(30 + 3 * i) for i, out in enumerate(free)]
     llm = make(True, dtype)
     runs = []

@@ -58,7 +58,7 @@ _HELP = {
                         "current one, with CUDA graphs and no speculation)",
     "overlap_verify": "launch each MTP verify step before the previous one's accepted tokens "
                       "reach the host (greedy requests; needs --speculative-algorithm mtp and "
-                      "CUDA graphs; experimental: not yet run on a GPU)",
+                      "CUDA graphs; exact, but measured no faster yet: benchmarks/RESULTS.md)",
     "tensor_parallel_size": "worker processes the model is sharded over (one per GPU; gloo on "
                             "a CPU); rank 0 schedules",
     "distributed_timeout_s": "seconds a tensor-parallel collective or rank may take before "
