@@ -11,6 +11,7 @@ prompt's first token; then torch.profiler's top CPU ops and CUDA kernels of that
     python benchmarks/profile_step.py --model default --out profile_default.txt
     python benchmarks/profile_step.py --vocab 248320 --disable-overlap-schedule  # synchronous
     python benchmarks/profile_step.py --model default --spec mtp --out profile_mtp.txt
+    python benchmarks/profile_step.py --model default --spec mtp --overlap-verify  # chained
 
 With --spec ALGO (k = 3, fixed policy: every decode step verifies) the decode figures are verify
 steps', and torch.profiler also covers a decode run: the host's time per verify step beside
@@ -71,14 +72,25 @@ def cprofile(fn, limit: int = 45) -> str:
     return s.getvalue()
 
 
-def torch_profile(fn) -> str:
+def torch_profile(fn, steps=None) -> str:
+    """torch.profiler's CPU and CUDA op tables of fn(); with `steps` (a callable giving the
+    engine's step count), first a line with the device time per step that fn ran."""
     from torch.profiler import ProfilerActivity, profile
 
+    n0 = steps() if steps else 0
+    t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    wall = time.perf_counter() - t
     ka = prof.key_averages()
-    return (ka.table(sort_by="cpu_time_total", row_limit=40) + "\n"
+    head = ""
+    if steps:
+        n = max(steps() - n0, 1)
+        device_us = sum(e.self_device_time_total for e in ka)
+        head = (f"{n} steps: device {device_us / n:.1f} us a step (kernels' own time), wall "
+                f"{1e6 * wall / n:.1f} us a step (profiled)\n")
+    return (head + ka.table(sort_by="cpu_time_total", row_limit=40) + "\n"
             + ka.table(sort_by="self_device_time_total", row_limit=40))
 
 
@@ -92,9 +104,12 @@ def main() -> None:
                     help="synchronous decode steps (engine/overlap.py is on by default)")
     ap.add_argument("--spec", choices=["mtp", "ngram"], default=None,
                     help="speculative decoding, k = 3, every step a verify (fixed policy)")
+    ap.add_argument("--overlap-verify", action="store_true",
+                    help="with --spec mtp: verify steps chained behind unlanded ones")
     args = ap.parse_args()
     spec = (dict(speculative_algorithm=args.spec, speculative_num_steps=3,
-                 speculative_policy="fixed") if args.spec else {})
+                 speculative_policy="fixed", overlap_verify=args.overlap_verify)
+            if args.spec else {})
     out = []
 
     def say(s: str) -> None:
@@ -150,7 +165,9 @@ def main() -> None:
         if args.spec:
             llm.engine.flush_cache()
             say(f"=== torch.profiler: decode with {args.spec}, batch 1 ===")
-            say(torch_profile(lambda: llm.generate([prompt(128, args.vocab, 401)], dec)))
+            say(torch_profile(lambda: llm.generate([prompt(128, args.vocab, 401)], dec),
+                              steps=lambda: llm.engine.num_steps))
+            say(f"acceptance length {llm.engine.acceptance_length}")
         llm.engine.flush_cache()
         say("=== torch.profiler: ttft 256 ===")
         say(torch_profile(lambda: llm.generate([prompt(256, args.vocab, 31)], one)))
