@@ -30,6 +30,8 @@ has linear && run linear 60 python3 benchmarks/bench_linear.py --out "$OUT/linea
 has profile && TAILN=12 run profile 170 python3 benchmarks/profile_step.py --vocab 248320 --out "$OUT/profile.txt"
 # issue 30: a verify step's host time beside its kernels (default model, MTP k = 3, fixed policy)
 has profmtp && TAILN=12 run profmtp 170 python3 benchmarks/profile_step.py --model default --spec mtp --out "$OUT/profile_mtp.txt"
+# the same with verify steps chained (--overlap-verify): device time per step beside the wall
+has profmtpov && TAILN=12 run profmtpov 170 python3 benchmarks/profile_step.py --model default --spec mtp --overlap-verify --out "$OUT/profile_mtp_ov.txt"
 has stepoff && DS_GEMV_MAX_ROWS=0 run stepoff 90 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --disable-overlap-schedule --out "$OUT/stepoff.json"
 has e2e08 && TAILN=30 run e2e08 ${E2E_T:-240} python3 benchmarks/bench_e2e.py --vocab 248320 --profile --out "$OUT/e2e08.json"
 has e2edef && TAILN=20 run e2edef 150 python3 benchmarks/bench_e2e.py --model default --out "$OUT/e2edef.json"
