@@ -54,7 +54,7 @@ class EngineConfig:
     # verify: launch MTP verify step n+1 before step n's acceptance reaches the host
     # (engine/overlap_verify.py; greedy requests, CUDA graphs, the MTP proposer's graphs).
     # Off: exact on the GPU (tests/spec/test_gpu_overlap_verify.py), but no faster there (12-05,
-    # H100: a verify step is bound by its host work, which chaining does not shrink; RESULTS.md)
+    # H100: what bounds a verify step is not the round trip that chaining hides; RESULTS.md)
     overlap_verify: bool = False
     tensor_parallel_size: int = 1  # worker processes (one per GPU); > 1: deltaserve/distributed
     distributed_timeout_s: float = 120.0  # a collective or a rank's answer waits at most this
