@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from dataclasses import dataclass, fields
 
 DEFAULT_SPECULATIVE_STEPS = 3  # drafts per verify step when only the algorithm is given
@@ -119,7 +120,7 @@ class EngineConfig:
             raise ValueError("log_every must be >= 0 (0: no step log)")
         if not valid_seed(self.seed):
             raise ValueError("seed must be in [-2**63, 2**64) (torch.manual_seed's range)")
-        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):  # else torch's traceback
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")

@@ -75,7 +75,23 @@ def test_serve_on_a_port_in_use_fails_before_loading_the_model_naming_it(capsys,
         busy.listen()
         port = busy.getsockname()[1]
         assert main(["serve", "--port", str(port), "--device", "cpu"]) == 1
-    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert f"--host / --port: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_serve_that_cannot_listen_does_not_warn_about_listening_without_a_key(capsys, caplog,
+                                                                           monkeypatch):
+    import socket
+
+    import deltaserve.server.cli as cli
+
+    monkeypatch.setattr(cli, "_make_engine", lambda args: pytest.fail("the model was loaded"))
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--host", "0.0.0.0", "--port", str(port)]) == 1
+    assert "cannot listen on 0.0.0.0" in capsys.readouterr().err
+    assert not [r for r in caplog.records if "without --api-key" in r.getMessage()]
 
 
 def test_every_config_field_has_a_flag():
@@ -101,6 +117,16 @@ def test_a_negative_snapshot_slot_count_is_refused_at_startup_naming_the_flag(fl
         parse(flag, "-1")
     with pytest.raises(SystemExit, match=f"deltaserve: error: {flag}"):  # one line, no trace
         main(["generate", flag, "-2", "hi"])
+
+
+@pytest.mark.parametrize("device", ["cuda:abc", "cuda:", "cuda:-1", "cpu:abc", "cpu:1", "gpu"])
+def test_a_malformed_device_is_a_one_line_error_naming_the_flag(device):
+    """torch's own parse of these ('Invalid device string') came as a traceback, after the
+    model's files were read."""
+    with pytest.raises(ValueError, match=f"^--device must be auto, cpu, cuda or cuda:N, not "
+                                         f"{re.escape(repr(device))}$"):
+        parse("--device", device)
+    assert parse("--device", "cuda:1").device == "cuda:1"
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -220,7 +246,8 @@ def test_generate_prints_a_completion(tiny_model, capsys):
 
 
 def test_a_context_longer_than_the_model_was_built_for_is_refused(tiny_model):
-    with pytest.raises(SystemExit, match="deltaserve: error: max_model_len 10000000 exceeds"):
+    # found once config.json is read, not by EngineConfig.validate: named as the flag too
+    with pytest.raises(SystemExit, match="deltaserve: error: --max-model-len 10000000 exceeds"):
         main(["generate", "--model", str(tiny_model), "--device", "cpu", "--max-model-len",
               "10000000", "hi"])
 

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 
 from deltaserve.config import SPECULATIVE_ALGORITHMS, SPECULATIVE_POLICIES, EngineConfig
-from deltaserve.server.security import add_server_flags, server_options
+from deltaserve.server.security import add_server_flags, server_options, warn_if_open
 
 logger = logging.getLogger("deltaserve.server")
 
@@ -57,8 +57,9 @@ _HELP = {
                         "the host (default: the next step is launched while the GPU runs the "
                         "current one, with CUDA graphs and no speculation)",
     "overlap_verify": "launch each MTP verify step before the previous one's accepted tokens "
-                      "reach the host (greedy requests; needs --speculative-algorithm mtp and "
-                      "CUDA graphs; exact, but measured no faster yet: benchmarks/RESULTS.md)",
+                      "reach the host (greedy requests; needs --speculative-algorithm mtp, takes "
+                      "effect with CUDA graphs; exact, but measured no faster yet: "
+                      "benchmarks/RESULTS.md)",
     "tensor_parallel_size": "worker processes the model is sharded over (one per GPU; gloo on "
                             "a CPU); rank 0 schedules",
     "distributed_timeout_s": "seconds a tensor-parallel collective or rank may take before "
@@ -211,8 +212,8 @@ def _make_engine(args: argparse.Namespace):
 
     try:
         return create_engine(engine_config(args))
-    except ValueError as e:
-        raise SystemExit(f"deltaserve: error: {e}") from e
+    except ValueError as e:  # the engine's own checks name config fields too
+        raise SystemExit(f"deltaserve: error: {_as_flag(str(e))}") from e
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -295,7 +296,7 @@ def _check_listen(host: str, port: int) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(addr)
     except OSError as e:
-        raise ValueError(f"cannot listen on {host}:{port}: {e}") from e
+        raise ValueError(f"--host / --port: cannot listen on {host}:{port}: {e}") from e
 
 
 def graceful_server(config, engine, stop_after: float = ENGINE_STOP_S):
@@ -325,8 +326,11 @@ def _serve(args: argparse.Namespace) -> int:
     from deltaserve.server.api import build_app
     from deltaserve.server.async_engine import AsyncEngine
 
-    options = server_options(args)  # bad values and the port: before minutes of loading
+    # bad values and the port before minutes of loading; the no-key warning only for a
+    # server that can listen
+    options = server_options(args, warn=False)
     _check_listen(args.host, args.port)
+    warn_if_open(args.host, options)
     engine = AsyncEngine(_make_engine(args), model_name=args.served_model_name)
     try:
         app = build_app(engine, options)
@@ -350,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _generate(args) if args.command == "generate" else _serve(args)
     except (ValueError, FileNotFoundError) as e:  # bad flags, checkpoint or device: one line
-        print(f"deltaserve: error: {e}", file=sys.stderr)
+        print(f"deltaserve: error: {_as_flag(str(e))}", file=sys.stderr)
         return 1  # as SystemExit(message) gives; 2 stays argparse's usage errors
     except KeyboardInterrupt:  # Ctrl-C during loading or generate: no traceback
         print("\ndeltaserve: interrupted", file=sys.stderr)

@@ -201,14 +201,20 @@ def add_server_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def server_options(args: argparse.Namespace,
-                   environ: Mapping[str, str] = os.environ) -> ServerOptions:
+                   environ: Mapping[str, str] = os.environ, warn: bool = True) -> ServerOptions:
     """ServerOptions from the `serve` flags (the key falls back to $DELTASERVE_API_KEY).
-    Raises ValueError for a bad value; logs a warning when the server listens beyond
-    loopback with no key."""
+    Raises ValueError for a bad value; with `warn`, logs a warning when the server listens
+    beyond loopback with no key (`warn_if_open`: the same, later)."""
     key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV) or None
     options = ServerOptions.for_bind(args.host, api_key=key, allowed_hosts=args.allowed_hosts,
                                      max_request_bytes=args.max_request_bytes)
-    if not is_loopback(args.host) and key is None:
-        logger.warning("listening on %s without --api-key: anyone who reaches it can generate, "
-                       "read /metrics and flush the cache", args.host)
+    if warn:
+        warn_if_open(args.host, options)
     return options
+
+
+def warn_if_open(host: str, options: ServerOptions) -> None:
+    """Log a warning when a server on `host` (beyond loopback) takes requests with no key."""
+    if not is_loopback(host) and options.api_key is None:
+        logger.warning("listening on %s without --api-key: anyone who reaches it can generate, "
+                       "read /metrics and flush the cache", host)
