@@ -256,9 +256,8 @@ class LLMEngine:
         self.prefix_cache.flush()
 
     def check_integrity(self) -> None:
-        """The prefix cache's and the pools' own checks and, when no request is left, that
-        every allocated page, GDN state slot and host-bank slot is owned by the cache (so
-        nothing leaked). Raises AssertionError naming what is wrong. O(cache size)."""
+        """No page, GDN state slot or host-bank slot leaked (engine/status.check_integrity).
+        Raises AssertionError naming what is wrong."""
         check_integrity(self)
 
     # ---- stepping -----------------------------------------------------------------------

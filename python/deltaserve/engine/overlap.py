@@ -56,6 +56,7 @@ speculation policy). `EngineConfig.overlap_schedule` (--disable-overlap-schedule
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -113,7 +114,7 @@ class OverlapScheduler:
         self.discarded_rows = 0
         self._landed_at = 0.0  # time.perf_counter() when the last step landed
         # verify steps launched ahead (overlap_verify.py)
-        self.verify = VerifyOverlap(engine, self.record_landing)
+        self.verify = VerifyOverlap(engine, self.commit_landed)
 
     @property
     def graphs(self):
@@ -229,25 +230,28 @@ class OverlapScheduler:
         if prev.event is not None:
             prev.event.synchronize()
         tokens = prev.host.tolist()
-        eng, batch = self.engine, prev.batch
+        batch = prev.batch
         for req in batch.reqs:
             req.land_ahead()
-        live = [r for r in batch.reqs if not r.finished]
-        self.discarded_rows += batch.size - len(live)
-        before = {r.rid: len(r.output_ids) for r in live}
-        sampled = {r.rid: [t] for r, t in zip(batch.reqs, tokens) if not r.finished}
-        eng.scheduler.process(batch, sampled)
-        self.record_landing(batch, prev.launched_at)
+        self.discarded_rows += sum(r.finished for r in batch.reqs)
+        outputs = self.commit_landed(batch, [[t] for t in tokens], prev.launched_at)
         if self.inflight is not None and all(r.finished for r in self.inflight.batch.reqs):
             self.inflight = None  # only discarded rows: nothing will land
-        new_by_rid = {r.rid: r.output_ids[before[r.rid]:] for r in live}
-        return eng.emit(live, new_by_rid)
+        return outputs
 
-    def record_landing(self, batch: Batch, launched_at: float) -> None:
-        """A step launched at `launched_at` (time.perf_counter()) landed: counted, logged, and
-        its period (from the later of its launch and the previous landing of any kind, to now)
-        handed to the policy as its cost beside the other kind's."""
+    def commit_landed(self, batch: Batch, rows: list[list[int]], launched_at: float,
+                      commit_rows: Callable[[list[int]], None] | None = None
+                      ) -> list[RequestOutput]:
+        """A step of `batch` launched at `launched_at` (time.perf_counter()) landed with
+        rows[i] the tokens of batch.reqs[i]: commit them (Scheduler.process; requests that
+        finished before it landed are skipped), count and log the step, and return its
+        outputs. Its period (from the later of its launch and the previous landing of any
+        kind, to now) goes to the policy as its cost beside the other kind's."""
         eng = self.engine
+        live = [r for r in batch.reqs if not r.finished]
+        before = {r.rid: len(r.output_ids) for r in live}
+        sampled = {r.rid: row for r, row in zip(batch.reqs, rows) if not r.finished}
+        eng.scheduler.process(batch, sampled, commit_rows)
         eng.num_steps += 1
         now = time.perf_counter()
         if eng.policy is not None:
@@ -255,3 +259,4 @@ class OverlapScheduler:
                                now - max(launched_at, self._landed_at))
         self._landed_at = now
         eng.log_step(batch)
+        return eng.emit(live, {r.rid: r.output_ids[before[r.rid]:] for r in live})

@@ -96,10 +96,10 @@ class VerifyOverlap:
     `chained_steps` (of those, launched before the previous one landed).
     """
 
-    def __init__(self, engine: LLMEngine,
-                 record_landing: Callable[[Batch, float], None]) -> None:
+    def __init__(self, engine: LLMEngine, commit_landed: Callable[..., list[RequestOutput]]
+                 ) -> None:
         self.engine = engine
-        self.record_landing = record_landing  # OverlapScheduler's: counts, policy, log
+        self.commit_landed = commit_landed  # OverlapScheduler's: commit, count, log, outputs
         cfg = engine.cfg
         self._copies = CopyBack((cfg.max_running_reqs, cfg.decode_rows_per_req + 1),
                                 engine.device)  # the acceptance
@@ -202,15 +202,9 @@ class VerifyOverlap:
         if prev.chained:
             for req in batch.reqs:
                 req.land_ahead()
-        live = [r for r in batch.reqs if not r.finished]
-        before = {r.rid: len(r.output_ids) for r in live}
-        sampled = {r.rid: row[1:row[0] + 2] for r, row in zip(batch.reqs, rows)
-                   if not r.finished}
-        eng.scheduler.process(batch, sampled,
-                              commit_rows=lambda counts: self._commit_rows(prev, counts))
-        self.record_landing(batch, prev.launched_at)
-        new_by_rid = {r.rid: r.output_ids[before[r.rid]:] for r in live}
-        return early + eng.emit(live, new_by_rid)
+        tokens = [row[1:row[0] + 2] for row in rows]  # accepted drafts + 1, then the tokens
+        return early + self.commit_landed(batch, tokens, prev.launched_at,
+                                          lambda counts: self._commit_rows(prev, counts))
 
     def _commit_rows(self, prev: VerifyInFlight, counts: list[int]) -> None:
         eng = self.engine

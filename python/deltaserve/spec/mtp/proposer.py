@@ -191,8 +191,7 @@ class MTPProposer(Proposer):
             st = self.states.get(req.rid)
             if st is None or st.mtp_len != start or st.pending:
                 return None
-        n = len(reqs)
-        return self.graphs.run_chained(b, chain.starts, chain.counts, chain.greedy[:n],
+        return self.graphs.run_chained(b, chain.starts, chain.counts, chain.greedy,
                                        [r.page_table for r in reqs], hidden)
 
     def _catch_up(self, reqs: list[Req], keep: int = 0) -> None:
