@@ -307,32 +307,25 @@ def long_context_decode(llm: LLM, vocab: int, n: int) -> dict:
 
     The rate is timed over the decode steps alone (`decode_after_prefill`): from the call
     after which every request has its first token to the last. (Until 12-05 it was all of a
-    run minus a separate prefill-only run, `_tok_s_subtract` here: at 8 x 16k tokens the
-    prefill is about 2x the decode time, so its run-to-run spread moved the decode figure by
-    tens of percent, and decode steps that ran between other requests' prefill chunks
-    counted at a smaller batch.)"""
+    run minus a separate prefill-only run: at 8 x 16k tokens the prefill is about 2x the
+    decode time, so its run-to-run spread moved the decode figure by tens of percent, and
+    decode steps that ran between other requests' prefill chunks counted at a smaller batch;
+    both ran side by side on 12-05, RESULTS.md.)"""
     res = {}
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     graphs = llm.engine.graphs
     for ctx, batch in (LONG_CONTEXT_CASES[0],) + LONG_CONTEXT_CASES:  # the first: warm-up
         prompts = [prompt(ctx, vocab, 1000 + i) for i in range(batch)]
         llm.engine.flush_cache()
-        t_pre = timed(llm.generate, prompts, one)
-        llm.engine.flush_cache()
         before = (graphs.graph_steps, graphs.eager_steps) if graphs else (0, 0)
-        t_all = timed(llm.generate, prompts, params)
         key = f"decode_ctx{ctx}_b{batch}"
-        res[f"{key}_tok_s_subtract"] = batch * (n - 1) / max(t_all - t_pre, 1e-9)
+        res[f"{key}_tok_s"] = decode_after_prefill(llm.engine, prompts, params)
         if graphs:
             res[f"{key}_graph_steps"] = graphs.graph_steps - before[0]
             res[f"{key}_eager_steps"] = graphs.eager_steps - before[1]
-        llm.engine.flush_cache()
-        res[f"{key}_tok_s"] = decode_after_prefill(llm.engine, prompts, params)
         base = res.get(f"decode_ctx128_b{batch}_tok_s")
         ratio = f"{res[f'{key}_tok_s'] / base:.2f}x of ctx 128" if base and ctx > 128 else ""
-        print(f"{key:24s} {res[f'{key}_tok_s']:9.1f} tok/s (all minus prefill: "
-              f"{res[f'{key}_tok_s_subtract']:9.1f})  graph steps "
+        print(f"{key:24s} {res[f'{key}_tok_s']:9.1f} tok/s  graph steps "
               f"{res.get(f'{key}_graph_steps', '-')}, eager {res.get(f'{key}_eager_steps', '-')}"
               f"  {ratio}", flush=True)
     return res
