@@ -12,6 +12,9 @@
 // differs from the reference only where the fp32 sum order moves a value across a rounding
 // boundary). A norm row is held in registers (at most kChunks loads a thread) between the sum
 // and the output; its threads are a lane group of 16 or 32 (short rows) or a block of 128 or 512.
+// Launched with programmatic dependent launch (compat.cuh): each kernel lets the next one start
+// at once and waits for the one before it before reading anything, so a projection that follows
+// prefetches its weights during the norm instead of after it.
 // No allocation, no host synchronisation: one launch per op, CUDA-graph capturable.
 #pragma once
 
@@ -23,6 +26,7 @@ namespace fused {
 constexpr int kChunks = 4;     // loads of VEC elements a thread holds per norm row, at most
 constexpr int kMaxRot = 256;   // rotary channels qk_norm_rope stages in shared memory, at most
 constexpr int kGateThreads = 256;
+constexpr int kMaxBlockThreads = 512;  // a norm block (TPR 512) or a gemv prologue's (16 warps)
 
 // A 16-byte load/store where N * sizeof(T) is a multiple of 16, else N scalar accesses (N = 1
 // is the fallback path for misaligned views).
@@ -95,21 +99,24 @@ struct NormParams {
   float eps;
 };
 
-// Sum over the TPR threads of one row: a lane group (TPR <= 32) or the whole block (every
-// thread of the block must call it: it has a barrier).
+// Sum over the TPR threads of one row: a lane group (TPR <= 32) or TPR / 32 whole warps (every
+// thread of the block must call it: it has a barrier). The block holds blockDim / TPR such rows
+// side by side (a norm kernel one, a gemv prologue several); the warps' parts are added in warp
+// order. A caller that sums again must pass a barrier first (the parts are reused).
 template <int TPR>
 DS_DEVICE float row_sum(float v) {
   if constexpr (TPR <= kWarp) {
     return group_sum<TPR>(v);
   } else {
-    __shared__ float part[TPR / kWarp];
+    __shared__ float part[kMaxBlockThreads / kWarp];
     v = group_sum<kWarp>(v);
     const int warp = threadIdx.x / kWarp;
     if (threadIdx.x % kWarp == 0) part[warp] = v;
     __syncthreads();
+    const int first = static_cast<int>(threadIdx.x) / TPR * (TPR / kWarp);
     float total = 0.f;
 #pragma unroll
-    for (int i = 0; i < TPR / kWarp; ++i) total = fadd(total, part[i]);
+    for (int i = 0; i < TPR / kWarp; ++i) total = fadd(total, part[first + i]);
     return total;
   }
 }
@@ -117,24 +124,18 @@ DS_DEVICE float row_sum(float v) {
 template <int TPR>
 struct RowBlock { static constexpr int kThreads = TPR < 128 ? 128 : TPR; };  // threads a block
 
-// One row per TPR threads; a block holds block_threads / TPR rows. Thread `lane` of a row owns
-// elements [(c * TPR + lane) * N, + N) for chunks c < kChunks that fall inside the row.
+// The first half of a norm row, shared by norm_kernel and the gemv prologues (gemv_prologue.cuh)
+// so that both give the same bits: thread `lane` of the row's TPR loads elements
+// [(c * TPR + lane) * N, + N) for chunks c < kChunks that fall inside the row into v (gated:
+// z into g; add: the rounded sum residual + x into v, stored to `sum_out` + col unless null),
+// and the row's 1 / rms comes back. Inactive threads load nothing and still reach the barrier.
 template <typename T, int N, int TPR, Norm K>
-__global__ void __launch_bounds__(RowBlock<TPR>::kThreads) norm_kernel(const NormParams p) {
-  constexpr int kRowsPerBlock = RowBlock<TPR>::kThreads / TPR;
-  const int sub = threadIdx.x / TPR, lane = threadIdx.x % TPR;
-  const int row = blockIdx.x * kRowsPerBlock + sub;
-  const bool is_k = K == Norm::kQkRope && row >= p.rows;
-  const int r = is_k ? row - p.rows : row;
-  const bool active = row < p.rows + p.rows2;  // inactive threads still reach the barriers
-  const RowView& view = is_k ? p.x2 : p.x;
+DS_DEVICE float norm_load(const NormParams& p, const RowView& view, int r, int lane, bool active,
+                          T* sum_out, float (&v)[kChunks][N], float (&g)[kChunks][N]) {
   const T* src = active ? view.row<T>(r) : nullptr;
   const T* src2 = nullptr;
   if constexpr (K == Norm::kAddRms || K == Norm::kGated)
     src2 = active ? p.x2.row<T>(r) : nullptr;
-  const int64_t out_off = int64_t(r) * p.D;
-
-  float v[kChunks][N], g[kChunks][N];  // g: gated's z (loaded with x)
   float ss = 0.f;
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
@@ -147,17 +148,22 @@ __global__ void __launch_bounds__(RowBlock<TPR>::kThreads) norm_kernel(const Nor
         load_n<T, N>(src2 + col, res);
 #pragma unroll
         for (int i = 0; i < N; ++i) v[c][i] = round_to<T>(fadd(res[i], v[c][i]));
-        store_n<T, N>(static_cast<T*>(p.y2) + out_off + col, v[c]);
+        if (sum_out != nullptr) store_n<T, N>(sum_out + col, v[c]);
       }
 #pragma unroll
       for (int i = 0; i < N; ++i) ss = ffma(v[c][i], v[c][i], ss);
     }
   }
   ss = row_sum<TPR>(ss);
-  const float inv = frsqrt(fadd(fdiv(ss, static_cast<float>(p.D)), p.eps));
+  return frsqrt(fadd(fdiv(ss, static_cast<float>(p.D)), p.eps));
+}
 
-  T* out = static_cast<T*>(is_k ? p.y2 : p.y) + out_off;
-  const float* w32 = is_k ? p.w2 : static_cast<const float*>(p.w);
+// The second half: v <- the normalised, weighted row (gated: times silu(g), rounded as the
+// reference), stored to `out` + col unless null (qk_norm_rope stores after its rotation).
+// w32: the fp32 weight (rms, add, qk); the gated norm reads p.w in T.
+template <typename T, int N, int TPR, Norm K>
+DS_DEVICE void norm_out(const NormParams& p, const float* w32, int lane, bool active,
+                        float (&v)[kChunks][N], const float (&g)[kChunks][N], float inv, T* out) {
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
     const int col = (c * TPR + lane) * N;
@@ -175,8 +181,32 @@ __global__ void __launch_bounds__(RowBlock<TPR>::kThreads) norm_kernel(const Nor
 #pragma unroll
       for (int i = 0; i < N; ++i) v[c][i] = fmul(fmul(v[c][i], inv), w[i]);
     }
-    if constexpr (K != Norm::kQkRope) store_n<T, N>(out + col, v[c]);
+    if (out != nullptr) store_n<T, N>(out + col, v[c]);
   }
+}
+
+// One row per TPR threads; a block holds block_threads / TPR rows. Thread `lane` of a row owns
+// elements [(c * TPR + lane) * N, + N) for chunks c < kChunks that fall inside the row.
+template <typename T, int N, int TPR, Norm K>
+__global__ void __launch_bounds__(RowBlock<TPR>::kThreads) norm_kernel(const NormParams p) {
+  constexpr int kRowsPerBlock = RowBlock<TPR>::kThreads / TPR;
+  const int sub = threadIdx.x / TPR, lane = threadIdx.x % TPR;
+  const int row = blockIdx.x * kRowsPerBlock + sub;
+  const bool is_k = K == Norm::kQkRope && row >= p.rows;
+  const int r = is_k ? row - p.rows : row;
+  const bool active = row < p.rows + p.rows2;  // inactive threads still reach the barriers
+  const int64_t out_off = int64_t(r) * p.D;
+  // PDL: the next kernel (a projection) may launch now and pull its weights into L2 while this
+  // one waits for its input and runs; it reads this kernel's output only after its own wait.
+  launch_dependents();
+  grid_dependency_wait();
+
+  float v[kChunks][N], g[kChunks][N];  // g: gated's z (loaded with x)
+  T* sum_out = K == Norm::kAddRms ? static_cast<T*>(p.y2) + out_off : nullptr;
+  const float inv = norm_load<T, N, TPR, K>(p, is_k ? p.x2 : p.x, r, lane, active, sum_out, v, g);
+  T* out = static_cast<T*>(is_k ? p.y2 : p.y) + out_off;
+  norm_out<T, N, TPR, K>(p, is_k ? p.w2 : static_cast<const float*>(p.w), lane, active, v, g, inv,
+                         K == Norm::kQkRope ? nullptr : out);
   if constexpr (K == Norm::kQkRope) {
     // Rotate-half pairs channel i with i +- rot/2, held by another thread: the normalised
     // (rounded) rotary channels of each row go through shared memory.
@@ -231,7 +261,7 @@ inline ds_error_t launch_norm_n(const NormParams& p, ds_stream_t stream) {
   const int64_t rows = int64_t(p.rows) + p.rows2;
   const auto go = [&](auto kernel, int tpr) {
     const int threads = tpr < 128 ? 128 : tpr;
-    return launch(kernel, ceil_div(rows, threads / tpr), threads, stream, Pdl::kOff, p);
+    return launch(kernel, ceil_div(rows, threads / tpr), threads, stream, Pdl::kOn, p);
   };
   switch (norm_threads_per_row(ceil_div(p.D, N))) {
     case 16: return go(norm_kernel<T, N, 16, K>, 16);
@@ -263,13 +293,11 @@ struct GateParams {
   int T, cols;
 };
 
+// y[c .. c + N) of row t (shared by gate_kernel and the gemv prologues: the same bits).
 template <typename T, int N, Gate G>
-__global__ void __launch_bounds__(kGateThreads) gate_kernel(const GateParams p) {
-  const int t = blockIdx.x;
-  const int c = (blockIdx.y * blockDim.x + threadIdx.x) * N;
-  if (c >= p.cols) return;
+DS_DEVICE void gate_values(const GateParams& p, int t, int c, float (&y)[N]) {
   const int h = p.block.div(c), i = c - h * static_cast<int>(p.block.d);
-  float a[N], b[N], y[N];
+  float a[N], b[N];
   load_n<T, N>(static_cast<const T*>(p.a) + t * p.a_s0 + h * p.a_s1 + i, a);
   load_n<T, N>(static_cast<const T*>(p.b) + t * p.b_s0 + h * p.b_s1 + i, b);
 #pragma unroll
@@ -277,6 +305,17 @@ __global__ void __launch_bounds__(kGateThreads) gate_kernel(const GateParams p) 
     if constexpr (G == Gate::kSigmoidMul) y[e] = fmul(a[e], round_to<T>(sigmoid(b[e])));
     else y[e] = fmul(round_to<T>(silu(a[e])), b[e]);
   }
+}
+
+template <typename T, int N, Gate G>
+__global__ void __launch_bounds__(kGateThreads) gate_kernel(const GateParams p) {
+  launch_dependents();  // as norm_kernel: the next projection prefetches while this runs
+  grid_dependency_wait();
+  const int t = blockIdx.x;
+  const int c = (blockIdx.y * blockDim.x + threadIdx.x) * N;
+  if (c >= p.cols) return;
+  float y[N];
+  gate_values<T, N, G>(p, t, c, y);
   store_n<T, N>(static_cast<T*>(p.y) + int64_t(t) * p.cols + c, y);
 }
 
@@ -289,7 +328,7 @@ inline ds_error_t launch_gate_n(const GateParams& p, ds_stream_t stream) {
   if (col_blocks > 65535) return DS_ERROR_INVALID_VALUE;
   if (p.T == 0 || p.cols == 0) return DS_SUCCESS;
   return launch(gate_kernel<T, N, G>, dim3(p.T, static_cast<unsigned>(col_blocks)), threads,
-                stream, Pdl::kOff, p);
+                stream, Pdl::kOn, p);
 }
 
 template <typename T, Gate G>
