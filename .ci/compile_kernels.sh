@@ -25,6 +25,7 @@ cat > "$WORK/all_kernels.cu" <<'CU'
 #include "kernels/snapshot_copy.cuh"
 #include "kernels/fused.cuh"
 #include "kernels/gemv.cuh"
+#include "kernels/gemv_prologue.cuh"
 #include "kernels/moe_experts.cuh"
 
 template <typename T>
@@ -80,6 +81,16 @@ void instantiate_all() {
   ds::gemv::GemvParams gv{};
   (void)ds::gemv::launch_gemv<ds::bf16>(gv, nullptr);
   (void)ds::gemv::launch_gemv<ds::f16>(gv, nullptr);
+  ds::fused::GateParams gg{};
+  ds::fused::NormParams gn{};
+  (void)ds::gemv::launch_gemv_gate<ds::bf16, ds::fused::Gate::kSiluMul>(gv, gg, nullptr);
+  (void)ds::gemv::launch_gemv_gate<ds::bf16, ds::fused::Gate::kSigmoidMul>(gv, gg, nullptr);
+  (void)ds::gemv::launch_gemv_norm<ds::bf16, ds::fused::Norm::kGated>(gv, gn, nullptr);
+  (void)ds::gemv::launch_gemv_norm<ds::bf16, ds::fused::Norm::kAddRms>(gv, gn, nullptr);
+  (void)ds::gemv::launch_gemv_gate<ds::f16, ds::fused::Gate::kSiluMul>(gv, gg, nullptr);
+  (void)ds::gemv::launch_gemv_gate<ds::f16, ds::fused::Gate::kSigmoidMul>(gv, gg, nullptr);
+  (void)ds::gemv::launch_gemv_norm<ds::f16, ds::fused::Norm::kGated>(gv, gn, nullptr);
+  (void)ds::gemv::launch_gemv_norm<ds::f16, ds::fused::Norm::kAddRms>(gv, gn, nullptr);
   ds::gdn::ReplayParams p{};
   for (int k : {32, 64, 128, 256}) (void)ds::gdn::launch_gdn_replay(p, k, nullptr);
   ds::snapshot::SnapshotCopyParams sp{};

@@ -59,8 +59,23 @@ DS_DEVICE uint4 load_weight16(const void* p) {
 }
 DS_DEVICE uint4 load16(const void* p) { return *static_cast<const uint4*>(p); }
 
-template <typename T, int WARPS>
-__global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p) {
+// Where the main loop reads x: global rows (NoPrologue), or a copy of x the block made in shared
+// memory before it (gemv_prologue.cuh: x computed from the outputs of the kernel that would
+// otherwise have run before this one). Rows of the staged copy are stage_ld(K) elements apart.
+constexpr int kStageElems = 8192 + 8 * kMaxRows;  // 16.1 KB of 16-bit x a block, at most
+DS_HOST_DEVICE constexpr int stage_ld(int K) { return K + 8; }  // + 16 bytes: no bank conflicts
+DS_HOST_DEVICE constexpr bool stage_fits(int M, int K) {
+  return int64_t(M) * stage_ld(K) <= kStageElems;
+}
+
+struct NoPrologue {
+  static constexpr bool kStaged = false;
+  struct Params {};
+};
+
+template <typename T, int WARPS, class Pro>
+__global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
+                                                             const typename Pro::Params pro) {
   static_assert(sizeof(T) == 2, "16-bit operands (the MMA's)");
   static_assert(WARPS * kWarp >= kMaxRows * kTileCols, "one thread per output of the tile");
   const int warp = static_cast<int>(threadIdx.x) / kWarp;
@@ -77,22 +92,31 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p)
       if (c < chunks) prefetch_l2(wrow + int64_t(c) * kChunk);
     }
   }
-  grid_dependency_wait();  // x comes from the kernel before
+  grid_dependency_wait();  // x (or what the prologue makes it from) comes from the kernel before
 
-  const bool x_ok = g < p.M;
-  const T* xrow = static_cast<const T*>(p.x) + (x_ok ? g : 0) * p.ldx + 8 * t;
   const uint4 zero = {0u, 0u, 0u, 0u};
-  float d[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int base = warp; base < chunks; base += kUnroll * WARPS) {
-    // chunk c = base + u * WARPS: this lane's first element k = c * kChunk + 8 t, whose row
-    // offset from `wfirst` (`xfirst`) is a constant per u: an immediate in the loads
+  // chunk c = base + u * WARPS: this lane's first element k = c * kChunk + 8 t, whose row
+  // offset from `wfirst` (`xfirst`) is a constant per u: an immediate in the loads
+  uint4 wv[kUnroll];
+  const auto load_round = [&](int base) {
     const int k0 = base * kChunk + 8 * t;
     const T* wfirst = wrow + int64_t(base) * kChunk;
-    uint4 wv[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       wv[u] = w_ok && k0 + u * WARPS * kChunk < p.K ? load_weight16(wfirst + u * WARPS * kChunk)
                                                     : zero;
+  };
+  load_round(warp);  // in flight while the prologue stages x
+  __shared__ __align__(16) T staged[Pro::kStaged ? kStageElems : 1];
+  if constexpr (Pro::kStaged) Pro::template stage<T>(pro, staged, stage_ld(p.K), p.M);
+
+  const bool x_ok = g < p.M;
+  const T* xrow = Pro::kStaged ? staged + (x_ok ? g : 0) * stage_ld(p.K) + 8 * t
+                               : static_cast<const T*>(p.x) + (x_ok ? g : 0) * p.ldx + 8 * t;
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int base = warp; base < chunks; base += kUnroll * WARPS) {
+    if (base != warp) load_round(base);
+    const int k0 = base * kChunk + 8 * t;
     const T* xfirst = xrow + int64_t(base) * kChunk;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -137,20 +161,30 @@ inline int gemv_warps(int64_t blocks, int multiprocessors) {
   return 16;
 }
 
-template <typename T>
-inline ds_error_t launch_gemv(const GemvParams& p, ds_stream_t stream) {
-  if (p.M < 1 || p.M > kMaxRows || p.N < 1 || p.K < 8 || p.K % 8 != 0 || p.ldx < 0 ||
-      p.ldx % 8 != 0)
-    return DS_ERROR_INVALID_VALUE;
+// The launch checks shared by the plain kernel and the prologue ones.
+inline bool gemv_args_ok(const GemvParams& p) {
+  return p.M >= 1 && p.M <= kMaxRows && p.N >= 1 && p.K >= 8 && p.K % 8 == 0 && p.ldx >= 0 &&
+         p.ldx % 8 == 0;
+}
+
+template <typename T, class Pro>
+inline ds_error_t launch_gemv_with(const GemvParams& p, const typename Pro::Params& pro,
+                                   ds_stream_t stream) {
   int sms = 0;
   const ds_error_t err = multiprocessor_count(&sms);
   if (err != DS_SUCCESS) return err;
   const int64_t blocks = ceil_div(p.N, kTileCols);
   switch (gemv_warps(blocks, sms)) {
-    case 4: return launch(gemv_kernel<T, 4>, blocks, 4 * kWarp, stream, Pdl::kOn, p);
-    case 8: return launch(gemv_kernel<T, 8>, blocks, 8 * kWarp, stream, Pdl::kOn, p);
-    default: return launch(gemv_kernel<T, 16>, blocks, 16 * kWarp, stream, Pdl::kOn, p);
+    case 4: return launch(gemv_kernel<T, 4, Pro>, blocks, 4 * kWarp, stream, Pdl::kOn, p, pro);
+    case 8: return launch(gemv_kernel<T, 8, Pro>, blocks, 8 * kWarp, stream, Pdl::kOn, p, pro);
+    default: return launch(gemv_kernel<T, 16, Pro>, blocks, 16 * kWarp, stream, Pdl::kOn, p, pro);
   }
+}
+
+template <typename T>
+inline ds_error_t launch_gemv(const GemvParams& p, ds_stream_t stream) {
+  if (!gemv_args_ok(p)) return DS_ERROR_INVALID_VALUE;
+  return launch_gemv_with<T, NoPrologue>(p, NoPrologue::Params{}, stream);
 }
 
 }  // namespace gemv

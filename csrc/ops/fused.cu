@@ -10,34 +10,11 @@
 
 #include "../kernels/fused.cuh"
 #include "common.h"
+#include "fused_args.h"
 #include "library.h"
 
 namespace ds_ops {
 namespace {
-
-using ds::fused::RowView;
-
-// t [A, D] or [A, B, D] (dense last dim) as kernel rows; `offset` elements into each row.
-RowView row_view(const at::Tensor& t, const char* name, int64_t offset = 0) {
-  check_cuda(t, name);
-  TORCH_CHECK((t.dim() == 2 || t.dim() == 3) && (t.size(-1) <= 1 || t.stride(-1) == 1),
-              "deltaserve: ", name, " must be [rows, D] or [T, H, D] with a dense last dim");
-  TORCH_CHECK(t.size(-1) > 0, "deltaserve: ", name, " has empty rows");
-  TORCH_CHECK(t.numel() / t.size(-1) < (int64_t(1) << 31), "deltaserve: ", name,
-              " has 2^31 rows or more");
-  const bool three = t.dim() == 3;
-  return RowView{static_cast<const char*>(t.data_ptr()) + offset * t.element_size(),
-                 t.stride(0), three ? t.stride(1) : 0, ds::FastDiv(three ? t.size(1) : 1)};
-}
-
-void check_weight(const at::Tensor& w, int64_t d, at::ScalarType dt, const char* name) {
-  check_cuda(w, name);
-  check_dtype(w, dt, name);
-  check_dense(w, name);
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == d, "deltaserve: ", name, " must be [D]");
-}
-
-bool weight_fits(const at::Tensor& w) { return reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0; }
 
 template <ds::fused::Norm K>
 void run_norm(const ds::fused::NormParams& p, const at::Tensor& x, bool vec, const char* op) {

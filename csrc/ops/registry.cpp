@@ -1,7 +1,7 @@
 // The `deltaserve` op library: schemas, Meta (fake) implementations, and the Python module
 // entry point of deltaserve._C. CUDA implementations register from gdn.cu, conv1d.cu,
-// snapshot.cu, fused.cu, fused_gate.cu, attention.cu, linear.cu and moe.cu. Only this file may
-// say TORCH_LIBRARY(deltaserve): a second one aborts Python.
+// snapshot.cu, fused.cu, fused_gate.cu, attention.cu, linear.cu, linear_prologue.cu and
+// moe.cu. Only this file may say TORCH_LIBRARY(deltaserve): a second one aborts Python.
 #include <ATen/ops/empty.h>
 #include <Python.h>
 #include <torch/library.h>
@@ -89,6 +89,26 @@ at::Tensor gemv_meta(const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>&) {
   return at::empty({x.size(0), weight.size(0)}, x.options());
 }
+at::Tensor silu_mul_gemv_meta(const at::Tensor& gate_up, const at::Tensor& weight,
+                              const std::optional<at::Tensor>&) {
+  return at::empty({gate_up.size(0), weight.size(0)}, gate_up.options());
+}
+at::Tensor sigmoid_gate_mul_gemv_meta(const at::Tensor& o, const at::Tensor&,
+                                      const at::Tensor& weight,
+                                      const std::optional<at::Tensor>&) {
+  return at::empty({o.size(0), weight.size(0)}, o.options());
+}
+at::Tensor gated_rms_norm_gemv_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                                    double, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>&) {
+  return at::empty({x.size(0), weight.size(0)}, x.options());
+}
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_gemv_meta(const at::Tensor& x, const at::Tensor&,
+                                                          const at::Tensor&, double,
+                                                          const at::Tensor& weight,
+                                                          const std::optional<at::Tensor>&) {
+  return {at::empty({x.size(0), weight.size(0)}, x.options()), like(x)};
+}
 // moe_route's outputs as views of one int32 and one fp32 buffer (csrc/ops/moe.cu's layout).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
            at::Tensor>
@@ -148,6 +168,12 @@ DS_TORCH_LIBRARY(DS_OPS_NAMESPACE, m) {
   m.def("sigmoid_gate_mul(Tensor o, Tensor q_gate) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("silu_mul_gemv(Tensor gate_up, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("sigmoid_gate_mul_gemv(Tensor o, Tensor q_gate, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("gated_rms_norm_gemv(Tensor x, Tensor z, Tensor gated_weight, float eps, Tensor weight, "
+        "Tensor? bias) -> Tensor");
+  m.def("add_rms_norm_gemv(Tensor x, Tensor residual, Tensor rms_weight, float eps, "
+        "Tensor weight, Tensor? bias) -> (Tensor, Tensor)");
   m.def("moe_route(Tensor logits, int num_experts, int top_k, bool norm_topk_prob, "
         "bool shared, int hidden) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
         "Tensor)");
@@ -176,6 +202,10 @@ TORCH_LIBRARY_IMPL(DS_OPS_NAMESPACE, Meta, m) {
   m.impl("sigmoid_gate_mul", &sigmoid_gate_mul_meta);
   m.impl("silu_mul", &silu_mul_meta);
   m.impl("gemv", &gemv_meta);
+  m.impl("silu_mul_gemv", &silu_mul_gemv_meta);
+  m.impl("sigmoid_gate_mul_gemv", &sigmoid_gate_mul_gemv_meta);
+  m.impl("gated_rms_norm_gemv", &gated_rms_norm_gemv_meta);
+  m.impl("add_rms_norm_gemv", &add_rms_norm_gemv_meta);
   m.impl("moe_route", &moe_route_meta);
   m.impl("moe_experts", &moe_experts_meta);
 }

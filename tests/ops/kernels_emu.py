@@ -1,11 +1,11 @@
 """The CUDA kernels and their torch bindings, built for the CPU emulation of the device runtime.
 
 `load()` compiles csrc/ops/{registry.cpp, gdn.cu, conv1d.cu, fused.cu, fused_gate.cu,
-attention.cu, linear.cu, moe.cu} with the host compiler and -DDS_EMU (csrc/emu/runtime.h: blocks in
-turn, a block's threads as fibers switched at barriers and warp shuffles), once per checkout and
-source version (ninja, in build/emu/ of this checkout: torch's shared extension cache, keyed by
-name only, let two checkouts rebuild over each other), and registers the ops as
-`torch.ops.deltaserve_emu` on CPU tensors.
+attention.cu, linear.cu, linear_prologue.cu, moe.cu} with the host compiler and -DDS_EMU
+(csrc/emu/runtime.h: blocks in turn, a block's threads as fibers switched at barriers and warp
+shuffles), once per checkout and source version (ninja, in build/emu/ of this checkout: torch's
+shared extension cache, keyed by name only, let two checkouts rebuild over each other), and
+registers the ops as `torch.ops.deltaserve_emu` on CPU tensors.
 `emulate(monkeypatch)` then points deltaserve.ops' wrappers at them for CPU tensors, so a test
 runs the kernels' code (indexing, staging, tiling, barriers) through the same wrappers the
 engine uses. DS_EMU_REVERSE=1 resumes a block's threads last to first (.ci/run runs the tests

@@ -51,8 +51,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     contiguous and x's rows are dense and 16-byte aligned (a view of merged leading dims);
     its result is F.linear's up to fp32 sum order (module docstring). No host synchronisation
     and no allocation but the output: CUDA-graph capturable. Everything else is `F.linear`.
+    x may also be an `ops.prologue.ProjectionInput` (an input whose op has not run yet): its
+    `project` then runs the op as the gemv's prologue where it fits, else the op and this.
     Raises ValueError when weight is not 2-D or x's last dim is not K, or bias is not [N].
     """
+    if not isinstance(x, torch.Tensor):  # an ops.prologue.ProjectionInput
+        return x.project(weight, bias)
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: x [..., K] and weight [N, K] do not match: "
                          f"{list(x.shape)} and {list(weight.shape)}")
