@@ -26,6 +26,25 @@ run() {  # name timeout cmd...
 has gemvtest && run gemvtest 70 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/ops/test_linear_gpu.py
 # shellcheck disable=SC2086  # GPU_TESTS is a list of test paths
 has gputests && TAILN=25 run gputests ${TESTS_T:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=120 ${GPU_TESTS:-tests/engine/test_gpu_overlap.py}
+# same-call A/B of a csrc change: the extension of csrc hash $REF_EXT (build/ext_cache/$REF_EXT,
+# carried; run with DS_GEMV_PROLOGUE=0, as it has no prologue kernels) beside this tree's with
+# the gemv prologues off ("pdl") and on ("new"), in turn, on the step figures of the 0.8B config
+# ($AB08 arms) and the default model ($ABDEF arms): graph device time per step, tok/s
+if has abext; then
+  so_name=$(basename "$(ls python/deltaserve/_C*.so | head -1)")
+  cp "python/deltaserve/$so_name" /tmp/new_ext.so
+  ab_run() {  # arm name bench_e2e-args...
+    local arm=$1 name=$2; shift 2
+    if [ "$arm" = ref ]; then cp build/ext_cache/${REF_EXT:?}/*.so "python/deltaserve/$so_name"
+    else cp /tmp/new_ext.so "python/deltaserve/$so_name"; fi
+    local pro=1; [ "$arm" = new ] || pro=0
+    DS_GEMV_PROLOGUE=$pro TAILN=8 run "$name" 100 python3 benchmarks/bench_e2e.py "$@" --step-only --out "$OUT/$name.json"
+  }
+  i=0
+  for arm in ${AB08:-ref pdl new ref new}; do i=$((i + 1)); ab_run "$arm" "ab08_${arm}$i" --vocab 248320; done
+  for arm in ${ABDEF:-ref new}; do i=$((i + 1)); ab_run "$arm" "abdef_${arm}$i" --model default; done
+  cp /tmp/new_ext.so "python/deltaserve/$so_name"
+fi
 has linear && run linear 60 python3 benchmarks/bench_linear.py --out "$OUT/linear.json"
 has profile && TAILN=12 run profile 170 python3 benchmarks/profile_step.py --vocab 248320 --out "$OUT/profile.txt"
 # issue 30: a verify step's host time beside its kernels (default model, MTP k = 3, fixed policy)

@@ -10,6 +10,7 @@ from torch import nn
 from deltaserve.model.merged import Linear, MergedLinear
 from deltaserve.model.norm import RMSNorm
 from deltaserve.ops import fused
+from deltaserve.ops.prologue import ProjectionInput, SigmoidGateMul
 
 if TYPE_CHECKING:
     from deltaserve.core import ForwardContext
@@ -41,9 +42,10 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor | ProjectionInput, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; cos/sin [T, rotary_dim] from `RotaryEmbedding`."""
+        """x [T, hidden] (or the pre-norm qkv_proj makes) -> [T, hidden]; cos/sin
+        [T, rotary_dim] from `RotaryEmbedding`."""
         t, d = x.shape[0], self.head_dim
         q_gate, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q_gate = q_gate.view(t, self.num_heads, 2 * d)
@@ -52,4 +54,4 @@ class GatedAttention(nn.Module):
         q, k = fused.qk_norm_rope(q_gate, k, self.q_norm.rms_weight, self.k_norm.rms_weight,
                                   cos, sin, self.q_norm.eps)
         o = ctx.attn.forward(self.layer_id, q, k, v)
-        return self.o_proj(fused.sigmoid_gate_mul(o, q_gate))
+        return self.o_proj(SigmoidGateMul(o, q_gate))  # the gate runs in o_proj's kernel

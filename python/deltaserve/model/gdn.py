@@ -17,6 +17,7 @@ from torch import nn
 
 from deltaserve.model.merged import Linear, MergedLinear
 from deltaserve.model.norm import GatedRMSNorm
+from deltaserve.ops.prologue import ProjectionInput
 
 if TYPE_CHECKING:
     from deltaserve.core import ForwardContext
@@ -62,12 +63,14 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(self.A_log.detach().float(), requires_grad=False)
         self.dt_bias = nn.Parameter(self.dt_bias.detach().float(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+    def forward(self, x: torch.Tensor | ProjectionInput, ctx: ForwardContext) -> torch.Tensor:
+        """x [T, hidden] (or the pre-norm in_proj makes) -> [T, hidden]; the gated norm runs
+        in out_proj's kernel where it fits (`ops.prologue`)."""
         t = x.shape[0]
         mixed_qkv, z, b, a = self.in_proj.split(self.in_proj(x))
         o = ctx.gdn.forward(self, mixed_qkv, a, b)  # [T, HV, V]
-        return self.out_proj(self.norm(o, z.view(t, self.num_v_heads, self.head_v_dim)))
+        z = z.view(t, self.num_v_heads, self.head_v_dim)
+        return self.out_proj(self.norm.deferred(o, z))
 
 
 def split_qwen3_next_projections(

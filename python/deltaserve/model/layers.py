@@ -17,6 +17,7 @@ from deltaserve.model.gdn import GatedDeltaNet
 from deltaserve.model.mlp import MLP, SparseMoE
 from deltaserve.model.norm import GatedRMSNorm, RMSNorm
 from deltaserve.model.rope import RotaryEmbedding, apply_rope
+from deltaserve.ops.prologue import AddRMSNorm
 
 if TYPE_CHECKING:
     from deltaserve.core import ForwardContext
@@ -57,13 +58,19 @@ class DecoderLayer(nn.Module):
         residual stream before it is added) [T, hidden]: the block's output is their sum, which
         the next layer's norm (or the final norm, `RMSNorm.add`) forms. Inputs are not modified.
         """
+        # Each residual add + norm is left to the projection that reads it (the mixer's first,
+        # then gate_up_proj), which runs it inside its kernel where it fits (ops.prologue);
+        # the sum is there once that projection ran.
+        pre: torch.Tensor | AddRMSNorm
         if residual is None:
-            residual, h = x, self.input_layernorm(x)
+            residual, pre = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm.add(x, residual)
+            pre = self.input_layernorm.add_deferred(x, residual)
         if self.is_gdn:
-            h = self.linear_attn(h, ctx)
+            h = self.linear_attn(pre, ctx)
         else:
-            h = self.self_attn(h, cos, sin, ctx)
-        h, residual = self.post_attention_layernorm.add(h, residual)
-        return self.mlp(h), residual
+            h = self.self_attn(pre, cos, sin, ctx)
+        if isinstance(pre, AddRMSNorm):
+            residual = pre.sum
+        post = self.post_attention_layernorm.add_deferred(h, residual)
+        return self.mlp(post), post.sum

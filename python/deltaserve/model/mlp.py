@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from deltaserve.model.merged import Linear, MergedLinear
-from deltaserve.ops import fused
 from deltaserve.ops.moe import experts_graph_safe, moe_experts, route
 from deltaserve.ops.moe_fused import fused_fits, fused_supported, moe_fused
+from deltaserve.ops.prologue import ProjectionInput, SiluMul, as_tensor
 
 if TYPE_CHECKING:
     from deltaserve.model.config import ModelConfig
@@ -25,7 +25,8 @@ class MLP(nn.Module):
     """y = down(silu(gate(x)) · up(x)); x [T, hidden] -> [T, hidden].
 
     gate_proj | up_proj are one `MergedLinear` (`gate_up_proj`, rows [I | I]): one GEMM, then
-    `fused.silu_mul` on its output.
+    `fused.silu_mul` on its output, run by down_proj's kernel where it fits (`ops.prologue`).
+    x may be a `ops.prologue.ProjectionInput` (the block's pre-norm, made by gate_up_proj).
     """
 
     def __init__(self, hidden: int, intermediate: int) -> None:
@@ -34,8 +35,8 @@ class MLP(nn.Module):
                                                   ("up_proj", intermediate)])
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | ProjectionInput) -> torch.Tensor:
+        return self.down_proj(SiluMul(self.gate_up_proj(x)))
 
 
 class Experts(nn.Module):
@@ -95,7 +96,8 @@ class SparseMoE(nn.Module):
             return None, None
         return self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | ProjectionInput) -> torch.Tensor:
+        x = as_tensor(x)  # the router, the experts and the shared expert all read it
         logits = self.router(x)  # [T, E (+1: the shared expert's gate)]
         ex = self.experts
         shared_gate_up, shared_down = self._shared_weights()

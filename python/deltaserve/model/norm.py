@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from deltaserve.ops import fused
+from deltaserve.ops.prologue import AddRMSNorm
+from deltaserve.ops.prologue import GatedRMSNorm as GatedRMSNormInput
 
 
 class RMSNorm(nn.Module):
@@ -40,6 +42,11 @@ class RMSNorm(nn.Module):
         -> (y, s), both [T, dim] in x's dtype (`fused.add_rms_norm`)."""
         return fused.add_rms_norm(x, residual, self.rms_weight, self.eps)
 
+    def add_deferred(self, x: torch.Tensor, residual: torch.Tensor) -> AddRMSNorm:
+        """`add` left to the projection that reads its output (`ops.prologue.AddRMSNorm`: y is
+        made inside that projection's kernel where it fits; s is its `.sum` afterwards)."""
+        return AddRMSNorm(x, residual, self.rms_weight, self.eps)
+
 
 class GatedRMSNorm(nn.Module):
     """The GDN output norm: y = (w · x̂) · silu(z), per value head.
@@ -56,3 +63,8 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return fused.gated_rms_norm(x, z, self.weight, self.eps)
+
+    def deferred(self, x: torch.Tensor, z: torch.Tensor) -> GatedRMSNormInput:
+        """`forward` left to the projection that reads its output (out_proj: made inside its
+        kernel where it fits, `ops.prologue.GatedRMSNorm`)."""
+        return GatedRMSNormInput(x, z, self.weight, self.eps)
