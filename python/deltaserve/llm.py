@@ -112,6 +112,11 @@ class LLM:
         if isinstance(prompt, str):
             if self.engine.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token id lists")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # the tokenizer's own error is a TypeError
+                raise ValueError(f"a prompt is not valid text: {e.reason} at character "
+                                 f"{e.start} (a lone UTF-16 surrogate?)") from None
             return self.engine.tokenizer.encode(prompt, add_special_tokens=False)
         if not isinstance(prompt, (list, tuple)):  # the engine checks the ids themselves
             raise ValueError("a prompt must be a string or a list of token ids, got "

@@ -154,3 +154,35 @@ def test_caches_that_do_not_fit_in_memory_are_a_value_error_naming_the_flags(tmp
     assert says.startswith("the caches do not fit in memory: 64 KV pages of 16 tokens, 4001 GDN "
                            "state slots (1 + 2 x --max-running-reqs 1000 + 2000 snapshot")
     assert "Tried to allocate 73.24 TiB" in says and "lower --max-running-reqs" in says
+
+
+def test_a_prompt_that_is_not_valid_text_is_a_value_error():
+    # a fresh user's finding: a lone UTF-16 surrogate reached the tokenizer, whose TypeError
+    # ("TextEncodeInput must be Union[...]") named nothing the user wrote
+    llm = LLM(device="cpu")  # the embedded model: it has a tokenizer
+    with pytest.raises(ValueError, match="not valid text: .* at character 3 .*surrogate"):
+        llm.generate("abc\ud800", SamplingParams(max_tokens=2))
+    assert_drained(llm.engine)
+
+
+def test_a_file_given_as_the_model_is_named_as_a_file(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\0" * 8)
+    with pytest.raises(FileNotFoundError, match="is a file, not a checkpoint folder"):
+        LLM(str(weights), device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_named_as_given():
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine.llm_engine import resolve_device_dtype
+
+    with pytest.raises(ValueError, match="^device cuda:3 was asked for but no CUDA device"):
+        resolve_device_dtype(EngineConfig(device="cuda:3"))
+
+
+def test_a_one_token_prompt_past_the_context_says_token(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0)
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=1)
+    with pytest.raises(ValueError, match="the prompt has 1 token but the context length is 1"):
+        llm.generate([[5]], SamplingParams(max_tokens=2))

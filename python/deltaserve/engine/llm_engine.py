@@ -52,7 +52,7 @@ def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda was asked for but no CUDA device is available; "
+        raise ValueError(f"device {device} was asked for but no CUDA device is available; "
                          "use --device cpu")
     if cfg.dtype == "auto":
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -41,7 +41,8 @@ def new_req(prompt_ids: list[int], params: SamplingParams, rid: int, vocab: int,
         raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
     if len(prompt_ids) >= max_model_len:
         raise ValueError(
-            f"the prompt has {len(prompt_ids)} tokens but the context length is "
+            f"the prompt has {len(prompt_ids)} token{'s' if len(prompt_ids) != 1 else ''} but "
+            f"the context length is "
             f"{max_model_len}: at most {max_model_len - 1} prompt tokens fit")
     table = healer() if params.token_healing and healer is not None else None
     healing = table.heal(prompt_ids) if table is not None else None

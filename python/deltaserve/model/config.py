@@ -84,6 +84,9 @@ class ModelConfig:
         """
         path = Path(path)
         config_file = path / "config.json"
+        if path.exists() and not path.is_dir():
+            raise FileNotFoundError(f"{path} is a file, not a checkpoint folder (one that "
+                                    "holds config.json and the weights)")
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in {path}")
         raw = _read_json(config_file)

@@ -42,7 +42,7 @@ def _vec(t: torch.Tensor, piece: int, offset: int = 0) -> bool:
 def _kernel_fits(x: torch.Tensor, m: int, k: int, weight: torch.Tensor,
                  bias: torch.Tensor | None, *inputs: torch.Tensor) -> bool:
     """The gemv prologue kernels take these: the gemv's own conditions for M rows of K, and
-    the stage's size."""
+    the stage's size (checked first, cheapest first: a prefill or CPU call leaves at once)."""
     if not PROLOGUE_ON or not 1 <= m <= linear_ops.GEMV_MAX_ROWS or m * (k + 8) > STAGE_ELEMS:
         return False
     dtype = x.dtype
@@ -93,7 +93,7 @@ class SiluMul(ProjectionInput):
     def _fused(self, weight, bias):
         m, i = self.shape
         g = self.gate_up
-        if g.stride(-1) == 1 and _vec(g, i, i) and _kernel_fits(g, m, i, weight, bias):
+        if _kernel_fits(g, m, i, weight, bias) and g.stride(-1) == 1 and _vec(g, i, i):
             return _ext.ops().silu_mul_gemv(g, weight, bias)
         return None
 
@@ -117,8 +117,8 @@ class SigmoidGateMul(ProjectionInput):
         o, qg = self.o, self.q_gate
         m, k = self.shape
         d = o.shape[2]
-        if (o.stride(-1) == 1 and qg.stride(-1) == 1 and qg.dtype == o.dtype and _vec(o, d)
-                and _vec(qg, d, d) and _kernel_fits(o, m, k, weight, bias, qg)):
+        if (_kernel_fits(o, m, k, weight, bias, qg) and o.stride(-1) == 1
+                and qg.stride(-1) == 1 and qg.dtype == o.dtype and _vec(o, d) and _vec(qg, d, d)):
             return _ext.ops().sigmoid_gate_mul_gemv(o, qg, weight, bias)
         return None
 
@@ -142,10 +142,10 @@ class GatedRMSNorm(ProjectionInput):
         o, z, gw = self.o, self.z, self.gated_weight
         m, k = self.shape
         v = o.shape[2]
-        if (v <= MAX_NORM_ROW and o.stride(-1) == 1 and z.stride(-1) == 1
-                and z.dtype == o.dtype and gw.dtype == o.dtype and gw.shape == (v,)
-                and gw.is_contiguous() and gw.data_ptr() % 16 == 0 and _vec(o, v) and _vec(z, v)
-                and _kernel_fits(o, m, k, weight, bias, z, gw)):
+        if (_kernel_fits(o, m, k, weight, bias, z, gw) and v <= MAX_NORM_ROW
+                and o.stride(-1) == 1 and z.stride(-1) == 1 and z.dtype == o.dtype
+                and gw.dtype == o.dtype and gw.shape == (v,) and gw.is_contiguous()
+                and gw.data_ptr() % 16 == 0 and _vec(o, v) and _vec(z, v)):
             return _ext.ops().gated_rms_norm_gemv(o, z, gw, self.eps, weight, bias)
         return None
 
@@ -182,10 +182,10 @@ class AddRMSNorm(ProjectionInput):
     def _fused(self, weight, bias):
         h, r, w = self.h, self.residual, self.rms_weight
         m, d = self.shape
-        if (self._sum is None and d <= MAX_NORM_ROW and h.stride(-1) == 1
-                and r.stride(-1) == 1 and r.dtype == h.dtype and w.dtype == torch.float32
-                and w.shape == (d,) and w.is_contiguous() and w.data_ptr() % 16 == 0
-                and _vec(h, d) and _vec(r, d) and _kernel_fits(h, m, d, weight, bias, r, w)):
+        if (self._sum is None and _kernel_fits(h, m, d, weight, bias, r, w)
+                and d <= MAX_NORM_ROW and h.stride(-1) == 1 and r.stride(-1) == 1
+                and r.dtype == h.dtype and w.dtype == torch.float32 and w.shape == (d,)
+                and w.is_contiguous() and w.data_ptr() % 16 == 0 and _vec(h, d) and _vec(r, d)):
             y, self._sum = _ext.ops().add_rms_norm_gemv(h, r, w, self.eps, weight, bias)
             return y
         return None
