@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call in steps, each under its own timeout, logs under $OUT; the extension is built
+# One device call in steps, each under its own timeout, logs collected under $OUT (steps.log,
+# results.jsonl: see collect below); the extension is built
 # once (or taken from build/ext_cache when its csrc hash matches) and saved to $OUT for reuse.
 #   STEPS="gemvtest profile stepoff mtptest spec" bash benchmarks/device_call.sh
 set -uo pipefail
@@ -18,10 +19,25 @@ else
   ls -la "$OUT/ext_$hash"
 fi
 python3 -c "import torch, deltaserve.ops._ext as e; print('extension loaded:', e.extension_loaded())"
+# Only a few files under $OUT come back (a call's files past about 8 are left out), so each
+# step's log and outputs go to $LOGS and are appended to $OUT/steps.log (logs, text outputs) and
+# $OUT/results.jsonl (one {"file", "data"} line per JSON output) as soon as the step ends: a call
+# cut by its time limit still returns every finished step.
+LOGS=/tmp/ds_logs && mkdir -p "$LOGS"
+collect() {  # name rc seconds
+  { echo "== $1 rc=$2 $3s"; cat "$LOGS/$1.log"; } >> "$OUT/steps.log"
+  for f in "$LOGS"/*.json "$LOGS"/*.txt; do
+    [ -f "$f" ] && [ ! -f "$f.sent" ] || continue
+    if [ "${f%.json}" != "$f" ]; then echo "{\"file\": \"$(basename "$f")\", \"data\": $(cat "$f")}" >> "$OUT/results.jsonl"
+    else { echo "== $(basename "$f")"; cat "$f"; } >> "$OUT/steps.log"; fi
+    touch "$f.sent"
+  done
+}
 run() {  # name timeout cmd...
   local name=$1 lim=$2; shift 2; local t=$SECONDS
-  timeout -s KILL "$lim" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "== $name rc=$rc $((SECONDS - t))s"; tail -${TAILN:-6} "$OUT/$name.log"
+  timeout -s KILL "$lim" "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
+  echo "== $name rc=$rc $((SECONDS - t))s"; tail -${TAILN:-6} "$LOGS/$name.log"
+  collect "$name" "$rc" "$((SECONDS - t))"
 }
 has gemvtest && run gemvtest 70 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/ops/test_linear_gpu.py
 # shellcheck disable=SC2086  # GPU_TESTS is a list of test paths
@@ -38,22 +54,22 @@ if has abext; then
     if [ "$arm" = ref ]; then cp build/ext_cache/${REF_EXT:?}/*.so "python/deltaserve/$so_name"
     else cp /tmp/new_ext.so "python/deltaserve/$so_name"; fi
     local pro=1; [ "$arm" = new ] || pro=0
-    DS_GEMV_PROLOGUE=$pro TAILN=8 run "$name" 100 python3 benchmarks/bench_e2e.py "$@" --step-only --out "$OUT/$name.json"
+    DS_GEMV_PROLOGUE=$pro TAILN=8 run "$name" 100 python3 benchmarks/bench_e2e.py "$@" --step-only --out "$LOGS/$name.json"
   }
   i=0
   for arm in ${AB08:-ref pdl new ref new}; do i=$((i + 1)); ab_run "$arm" "ab08_${arm}$i" --vocab 248320; done
   for arm in ${ABDEF:-ref new}; do i=$((i + 1)); ab_run "$arm" "abdef_${arm}$i" --model default; done
   cp /tmp/new_ext.so "python/deltaserve/$so_name"
 fi
-has linear && run linear 60 python3 benchmarks/bench_linear.py --out "$OUT/linear.json"
-has profile && TAILN=12 run profile 170 python3 benchmarks/profile_step.py --vocab 248320 --out "$OUT/profile.txt"
+has linear && run linear 60 python3 benchmarks/bench_linear.py --out "$LOGS/linear.json"
+has profile && TAILN=12 run profile 170 python3 benchmarks/profile_step.py --vocab 248320 --out "$LOGS/profile.txt"
 # issue 30: a verify step's host time beside its kernels (default model, MTP k = 3, fixed policy)
-has profmtp && TAILN=12 run profmtp 170 python3 benchmarks/profile_step.py --model default --spec mtp --out "$OUT/profile_mtp.txt"
+has profmtp && TAILN=12 run profmtp 170 python3 benchmarks/profile_step.py --model default --spec mtp --out "$LOGS/profile_mtp.txt"
 # the same with verify steps chained (--overlap-verify): device time per step beside the wall
-has profmtpov && TAILN=12 run profmtpov 170 python3 benchmarks/profile_step.py --model default --spec mtp --overlap-verify --out "$OUT/profile_mtp_ov.txt"
-has stepoff && DS_GEMV_MAX_ROWS=0 run stepoff 90 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --disable-overlap-schedule --out "$OUT/stepoff.json"
-has e2e08 && TAILN=30 run e2e08 ${E2E_T:-240} python3 benchmarks/bench_e2e.py --vocab 248320 --profile --out "$OUT/e2e08.json"
-has e2edef && TAILN=20 run e2edef 150 python3 benchmarks/bench_e2e.py --model default --out "$OUT/e2edef.json"
+has profmtpov && TAILN=12 run profmtpov 170 python3 benchmarks/profile_step.py --model default --spec mtp --overlap-verify --out "$LOGS/profile_mtp_ov.txt"
+has stepoff && DS_GEMV_MAX_ROWS=0 run stepoff 90 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --disable-overlap-schedule --out "$LOGS/stepoff.json"
+has e2e08 && TAILN=30 run e2e08 ${E2E_T:-240} python3 benchmarks/bench_e2e.py --vocab 248320 --profile --out "$LOGS/e2e08.json"
+has e2edef && TAILN=20 run e2edef 150 python3 benchmarks/bench_e2e.py --model default --out "$LOGS/e2edef.json"
 # same-call A/B of python-only changes: the default model under build/ab/ref's python (made by
 # `bash benchmarks/ab_prepare.sh <commit>`; it shares this extension, so csrc must be the same)
 # and under HEAD's, twice each in turn (this host-bound model's runs vary up to 2x)
@@ -64,23 +80,23 @@ if has e2edef_ab; then
   for side in ref head ref head; do
     i=$((i + 1)); export PYTHONPATH=$head_path
     [ $side = ref ] && export PYTHONPATH=/tmp/site:$PWD/build/ab/ref/python
-    TAILN=8 run e2edef_$side$i 120 python3 benchmarks/bench_e2e.py --model default --out "$OUT/e2edef_$side$i.json"
+    TAILN=8 run e2edef_$side$i 120 python3 benchmarks/bench_e2e.py --model default --out "$LOGS/e2edef_$side$i.json"
   done
   export PYTHONPATH=$head_path
 fi
-has moebench && TAILN=20 run moebench 90 python3 benchmarks/bench_moe.py --out "$OUT/moe.json"
-has moe35 && TAILN=25 run moe35 ${MOE_T:-300} python3 benchmarks/bench_e2e.py --config qwen3.6-35b-a3b --out "$OUT/moe35.json"
-has long && TAILN=10 run long 150 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --out "$OUT/long.json"
+has moebench && TAILN=20 run moebench 90 python3 benchmarks/bench_moe.py --out "$LOGS/moe.json"
+has moe35 && TAILN=25 run moe35 ${MOE_T:-300} python3 benchmarks/bench_e2e.py --config qwen3.6-35b-a3b --out "$LOGS/moe35.json"
+has long && TAILN=10 run long 150 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --out "$LOGS/long.json"
 has mtptest && run mtptest 90 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/spec/test_gpu_mtp_graph.py
-has spec && TAILN=14 run spec ${SPEC_T:-150} python3 benchmarks/bench_spec.py --workload heldout --corpus build/spec_corpus --batches ${SPEC_B:-1,32} --ks 3 --max-tokens 64 --policies ${SPEC_P:-fixed,adaptive} --overlap-verify ${SPEC_OV:-off} --out "$OUT/spec.json"
+has spec && TAILN=14 run spec ${SPEC_T:-150} python3 benchmarks/bench_spec.py --workload heldout --corpus build/spec_corpus --batches ${SPEC_B:-1,32} --ks 3 --max-tokens 64 --policies ${SPEC_P:-fixed,adaptive} --overlap-verify ${SPEC_OV:-off} --out "$LOGS/spec.json"
 # issue 27, prefill: GPU tests of the prefill path (~2-4 min on a machine that has not compiled
 # fla-core's kernels yet), then TTFT-256 / 8k prefill beside kernels per forward
 has prefilltest && TAILN=12 run prefilltest ${PREFILLTEST_T:-400} python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/ops/test_gdn_prefill_gpu.py tests/ops/test_conv_qkv_gpu.py tests/engine/test_gpu_prefill_attention.py tests/engine/test_gpu_prefill.py
-has prefill && TAILN=10 run prefill ${PREFILL_T:-240} python3 benchmarks/bench_prefill.py --compare --out "$OUT/prefill.json"
+has prefill && TAILN=10 run prefill ${PREFILL_T:-240} python3 benchmarks/bench_prefill.py --compare --out "$LOGS/prefill.json"
 # the bf16 MoE test's first token: each ops module's kernels off in turn beside the fp32 oracle
-has bisect && TAILN=14 run bisect 240 python3 scripts/bisect_ops.py --tiny qwen3_5_moe_text --seed 4 --dtype bfloat16 --prompt-len 100 --prompt-seed 7 --out "$OUT/bisect.json"
+has bisect && TAILN=14 run bisect 240 python3 scripts/bisect_ops.py --tiny qwen3_5_moe_text --seed 4 --dtype bfloat16 --prompt-len 100 --prompt-seed 7 --out "$LOGS/bisect.json"
 # issue 33: where the retraining's step time goes (a stdlib-only corpus made on the machine)
-has trainprof && TAILN=40 run trainprof ${TRAINPROF_T:-240} python3 scripts/train_default_model.py --out "$OUT/trainprof" --corpus /tmp/corpus --no-extra --profile-steps 3 --arch hidden_size=384 --arch linear_num_key_heads=6 --arch linear_num_value_heads=12
+has trainprof && TAILN=40 run trainprof ${TRAINPROF_T:-240} python3 scripts/train_default_model.py --out "$LOGS/trainprof" --corpus /tmp/corpus --no-extra --profile-steps 3 --arch hidden_size=384 --arch linear_num_key_heads=6 --arch linear_num_value_heads=12
 # the same with the training forward compiled by inductor (after trainprof: the corpus exists)
-has trainprofc && TAILN=40 run trainprofc ${TRAINPROF_T:-400} python3 scripts/train_default_model.py --out "$OUT/trainprofc" --corpus /tmp/corpus --no-extra --profile-steps 3 --compile inductor --arch hidden_size=384 --arch linear_num_key_heads=6 --arch linear_num_value_heads=12
+has trainprofc && TAILN=40 run trainprofc ${TRAINPROF_T:-400} python3 scripts/train_default_model.py --out "$LOGS/trainprofc" --corpus /tmp/corpus --no-extra --profile-steps 3 --compile inductor --arch hidden_size=384 --arch linear_num_key_heads=6 --arch linear_num_value_heads=12
 echo "total ${SECONDS}s"
