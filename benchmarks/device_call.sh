@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call in steps, each under its own timeout, logs collected under $OUT (steps.log,
-# results.jsonl: see collect below); the extension is built
-# once (or taken from build/ext_cache when its csrc hash matches) and saved to $OUT for reuse.
+# results.jsonl: see collect below); the extension is built once (or taken from
+# build/ext_cache when its csrc hash matches) and saved to $OUT for reuse.
 #   STEPS="gemvtest profile stepoff mtptest spec" bash benchmarks/device_call.sh
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
