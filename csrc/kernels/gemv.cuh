@@ -106,9 +106,12 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
       wv[u] = w_ok && k0 + u * WARPS * kChunk < p.K ? load_weight16(wfirst + u * WARPS * kChunk)
                                                     : zero;
   };
-  load_round(warp);  // in flight while the prologue stages x
+  // The prologue runs before the first weight loads: its row values and the loads' registers
+  // would otherwise be live together (a norm prologue then takes 128 registers a thread, and a
+  // 1024-block grid two waves). The weights' first lines are in L2 already (prefetched above).
   __shared__ __align__(16) T staged[Pro::kStaged ? kStageElems : 1];
   if constexpr (Pro::kStaged) Pro::template stage<T>(pro, staged, stage_ld(p.K), p.M);
+  load_round(warp);
 
   const bool x_ok = g < p.M;
   const T* xrow = Pro::kStaged ? staged + (x_ok ? g : 0) * stage_ld(p.K) + 8 * t
