@@ -26,16 +26,6 @@ void run_norm(const ds::fused::NormParams& p, const at::Tensor& x, bool vec, con
   });
 }
 
-ds::fused::NormParams norm_params(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  ds::fused::NormParams p{};
-  p.x = row_view(x, "x");
-  p.D = static_cast<int>(x.size(-1));
-  p.rows = static_cast<int>(x.numel() / p.D);
-  p.w = weight.data_ptr();
-  p.eps = static_cast<float>(eps);
-  return p;
-}
-
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   auto p = norm_params(x, weight, eps);
   check_weight(weight, p.D, at::kFloat, "rms_weight (fp32)");

@@ -25,6 +25,18 @@ inline RowView row_view(const at::Tensor& t, const char* name, int64_t offset = 
                  t.stride(0), three ? t.stride(1) : 0, ds::FastDiv(three ? t.size(1) : 1)};
 }
 
+// A norm over x's rows ([rows, D] or [T, H, D], dense last dim) with weight [D].
+inline ds::fused::NormParams norm_params(const at::Tensor& x, const at::Tensor& weight,
+                                         double eps) {
+  ds::fused::NormParams p{};
+  p.x = row_view(x, "x");
+  p.D = static_cast<int>(x.size(-1));
+  p.rows = static_cast<int>(x.numel() / p.D);
+  p.w = weight.data_ptr();
+  p.eps = static_cast<float>(eps);
+  return p;
+}
+
 inline void check_weight(const at::Tensor& w, int64_t d, at::ScalarType dt, const char* name) {
   check_cuda(w, name);
   check_dtype(w, dt, name);

@@ -30,24 +30,26 @@ void check_stage(int64_t m, int64_t k, bool vec, const char* op) {
               "deltaserve: ", op, ": the input is too large for the kernel's stage");
 }
 
+// y = gate op of g's operands (x's rows, `vec`: they allow 16-byte accesses) times weightᵀ.
 template <Gate G>
-void run_gate(const ds::fused::GateParams& g, const ds::gemv::GemvParams& p, const at::Tensor& x,
-              const char* op) {
+at::Tensor gate_gemv(const ds::fused::GateParams& g, bool vec, const at::Tensor& x,
+                     const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                     const char* op) {
+  check_stage(g.T, g.cols, vec, op);
+  const DeviceGuard guard(x.device());
+  at::Tensor y;
+  const ds::gemv::GemvParams p = gemv_params(x, weight, bias, g.T, g.cols, y);
   DS_DISPATCH_HALF(x.scalar_type(), op, [&] {
     check_launch(ds::gemv::launch_gemv_gate<scalar_t, G>(p, g, stream_of(x)), op);
   });
+  return y;
 }
 
 at::Tensor silu_mul_gemv(const at::Tensor& gate_up, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
   bool vec = false;
   const ds::fused::GateParams g = silu_mul_params(gate_up, "silu_mul_gemv", vec);
-  check_stage(g.T, g.cols, vec, "silu_mul_gemv");
-  const DeviceGuard guard(gate_up.device());
-  at::Tensor y;
-  const ds::gemv::GemvParams p = gemv_params(gate_up, weight, bias, g.T, g.cols, y);
-  run_gate<Gate::kSiluMul>(g, p, gate_up, "silu_mul_gemv");
-  return y;
+  return gate_gemv<Gate::kSiluMul>(g, vec, gate_up, weight, bias, "silu_mul_gemv");
 }
 
 at::Tensor sigmoid_gate_mul_gemv(const at::Tensor& o, const at::Tensor& q_gate,
@@ -55,12 +57,7 @@ at::Tensor sigmoid_gate_mul_gemv(const at::Tensor& o, const at::Tensor& q_gate,
                                  const std::optional<at::Tensor>& bias) {
   bool vec = false;
   const ds::fused::GateParams g = sigmoid_gate_params(o, q_gate, "sigmoid_gate_mul_gemv", vec);
-  check_stage(g.T, g.cols, vec, "sigmoid_gate_mul_gemv");
-  const DeviceGuard guard(o.device());
-  at::Tensor y;
-  const ds::gemv::GemvParams p = gemv_params(o, weight, bias, g.T, g.cols, y);
-  run_gate<Gate::kSigmoidMul>(g, p, o, "sigmoid_gate_mul_gemv");
-  return y;
+  return gate_gemv<Gate::kSigmoidMul>(g, vec, o, weight, bias, "sigmoid_gate_mul_gemv");
 }
 
 template <Norm K>
@@ -79,14 +76,9 @@ at::Tensor gated_rms_norm_gemv(const at::Tensor& x, const at::Tensor& z,
   TORCH_CHECK(x.dim() == 3 && z.sizes() == x.sizes(),
               "deltaserve: gated_rms_norm_gemv x and z must both be [T, HV, V]");
   check_dtype(z, x.scalar_type(), "z (x's dtype)");
-  ds::fused::NormParams n{};
-  n.x = row_view(x, "x");
-  n.x2 = row_view(z, "z");
-  n.D = static_cast<int>(x.size(2));
-  n.rows = static_cast<int>(x.numel() / n.D);
+  ds::fused::NormParams n = norm_params(x, gated_weight, eps);
   check_weight(gated_weight, n.D, x.scalar_type(), "gated_weight (x's dtype)");
-  n.w = gated_weight.data_ptr();
-  n.eps = static_cast<float>(eps);
+  n.x2 = row_view(z, "z");
   const int64_t m = x.size(0), k = x.size(1) * x.size(2);
   check_stage(m, k, vectors_fit(x, n.D) && vectors_fit(z, n.D) && weight_fits(gated_weight),
               "gated_rms_norm_gemv");
@@ -105,14 +97,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_gemv(const at::Tensor& x,
   TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(),
               "deltaserve: add_rms_norm_gemv x and residual must both be [T, D]");
   check_dtype(residual, x.scalar_type(), "residual (x's dtype)");
-  ds::fused::NormParams n{};
-  n.x = row_view(x, "x");
-  n.x2 = row_view(residual, "residual");
-  n.D = static_cast<int>(x.size(1));
-  n.rows = static_cast<int>(x.size(0));
+  ds::fused::NormParams n = norm_params(x, rms_weight, eps);
   check_weight(rms_weight, n.D, at::kFloat, "rms_weight (fp32)");
-  n.w = rms_weight.data_ptr();
-  n.eps = static_cast<float>(eps);
+  n.x2 = row_view(residual, "residual");
   const int64_t m = x.size(0), k = x.size(1);
   check_stage(m, k, vectors_fit(x, k) && vectors_fit(residual, k) && weight_fits(rms_weight),
               "add_rms_norm_gemv");

@@ -24,16 +24,10 @@ SHAPES = {
 }
 
 
-def _needs_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (run with -m gpu on the device machine)")
-
-
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
 @pytest.mark.parametrize("kind", sorted(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_prologue_equals_the_op_then_gemv(kind, m, dtype):
-    _needs_cuda()
     ran = 0
     for i, (k_shape, n) in enumerate(SHAPES[kind]):
         if m * (k_shape[0] * k_shape[1] + 8) > prologue.STAGE_ELEMS:
@@ -49,7 +43,6 @@ def test_gpu_model_tokens_and_logprobs_are_the_same_with_prologues_off(monkeypat
     """A tiny Qwen3.5 checkpoint (every layer's norms, gates and projections at decode sizes,
     CUDA graphs on) generates the same tokens with the same logprobs, bit for bit, with the
     prologue kernels on and off: the fused projections change no result in the model."""
-    _needs_cuda()
     from deltaserve import LLM, SamplingParams
     from deltaserve.model.testing import make_tiny_checkpoint, random_tokens
 

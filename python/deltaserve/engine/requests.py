@@ -40,10 +40,10 @@ def new_req(prompt_ids: list[int], params: SamplingParams, rid: int, vocab: int,
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
         raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
     if len(prompt_ids) >= max_model_len:
-        raise ValueError(
-            f"the prompt has {len(prompt_ids)} token{'s' if len(prompt_ids) != 1 else ''} but "
-            f"the context length is "
-            f"{max_model_len}: at most {max_model_len - 1} prompt tokens fit")
+        n = len(prompt_ids)
+        raise ValueError(f"the prompt has {n} token{'s' if n != 1 else ''} but the context "
+                         f"length is {max_model_len}: at most {max_model_len - 1} prompt "
+                         "tokens fit")
     table = healer() if params.token_healing and healer is not None else None
     healing = table.heal(prompt_ids) if table is not None else None
     if healing is not None:  # the first output token re-generates the last prompt token

@@ -78,12 +78,21 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor,
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     k = weight.shape[1]
-    n_rows = x.numel() // k if k else 0
-    return (0 < n_rows <= GEMV_MAX_ROWS and k % 8 == 0 and weight.shape[0] > 0
-            and x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype
-            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+    return gemv_fits(x.numel() // k if k else 0, x.dtype, weight, bias, x)
+
+
+def gemv_fits(rows: int, dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None,
+              *inputs: torch.Tensor) -> bool:
+    """The gemv kernel's conditions on everything but x's layout: 1 .. GEMV_MAX_ROWS rows, a
+    kernel dtype shared by the weight (and bias), K % 8 == 0, a contiguous 16-byte-aligned
+    weight, every tensor (`inputs`: what x is read from) on the extension's device. Cheapest
+    checks first: prefill and CPU calls leave at once (ops/prologue.py calls it per layer)."""
+    k = weight.shape[1]
+    return (0 < rows <= GEMV_MAX_ROWS and dtype in KERNEL_DTYPES and k % 8 == 0
+            and weight.shape[0] > 0 and weight.dtype == dtype
+            and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
             and weight.is_contiguous() and weight.data_ptr() % 16 == 0
-            and _ext.use_extension(x, weight, *(() if bias is None else (bias,))))
+            and _ext.use_extension(weight, *inputs, *(() if bias is None else (bias,))))
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor | None:

@@ -41,16 +41,18 @@ def _vec(t: torch.Tensor, piece: int, offset: int = 0) -> bool:
 
 def _kernel_fits(x: torch.Tensor, m: int, k: int, weight: torch.Tensor,
                  bias: torch.Tensor | None, *inputs: torch.Tensor) -> bool:
-    """The gemv prologue kernels take these: the gemv's own conditions for M rows of K, and
-    the stage's size (checked first, cheapest first: a prefill or CPU call leaves at once)."""
-    if not PROLOGUE_ON or not 1 <= m <= linear_ops.GEMV_MAX_ROWS or m * (k + 8) > STAGE_ELEMS:
-        return False
-    dtype = x.dtype
-    return (dtype in linear_ops.KERNEL_DTYPES and k % 8 == 0 and weight.dim() == 2
-            and weight.shape[1] == k and weight.dtype == dtype and weight.is_contiguous()
-            and weight.data_ptr() % 16 == 0
-            and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
-            and _ext.use_extension(x, weight, *inputs, *(() if bias is None else (bias,))))
+    """The gemv prologue kernels take these: gemv's own conditions for M rows of K
+    (`linear.gemv_fits`, cheapest first: a prefill or CPU call leaves at once) and the stage's
+    size."""
+    return (PROLOGUE_ON and m * (k + 8) <= STAGE_ELEMS and weight.dim() == 2
+            and weight.shape[1] == k and linear_ops.gemv_fits(m, x.dtype, weight, bias, x, *inputs))
+
+
+def _norm_weight_ok(w: torch.Tensor, d: int, dtype: torch.dtype) -> bool:
+    """A norm weight the prologue reads with 16-byte loads: [d] of `dtype`, dense, aligned, and
+    a row short enough for the prologue's 128 threads."""
+    return (d <= MAX_NORM_ROW and w.dtype == dtype and w.shape == (d,) and w.is_contiguous()
+            and w.data_ptr() % 16 == 0)
 
 
 class ProjectionInput:
@@ -142,10 +144,9 @@ class GatedRMSNorm(ProjectionInput):
         o, z, gw = self.o, self.z, self.gated_weight
         m, k = self.shape
         v = o.shape[2]
-        if (_kernel_fits(o, m, k, weight, bias, z, gw) and v <= MAX_NORM_ROW
+        if (_kernel_fits(o, m, k, weight, bias, z, gw) and _norm_weight_ok(gw, v, o.dtype)
                 and o.stride(-1) == 1 and z.stride(-1) == 1 and z.dtype == o.dtype
-                and gw.dtype == o.dtype and gw.shape == (v,) and gw.is_contiguous()
-                and gw.data_ptr() % 16 == 0 and _vec(o, v) and _vec(z, v)):
+                and _vec(o, v) and _vec(z, v)):
             return _ext.ops().gated_rms_norm_gemv(o, z, gw, self.eps, weight, bias)
         return None
 
@@ -183,9 +184,8 @@ class AddRMSNorm(ProjectionInput):
         h, r, w = self.h, self.residual, self.rms_weight
         m, d = self.shape
         if (self._sum is None and _kernel_fits(h, m, d, weight, bias, r, w)
-                and d <= MAX_NORM_ROW and h.stride(-1) == 1 and r.stride(-1) == 1
-                and r.dtype == h.dtype and w.dtype == torch.float32 and w.shape == (d,)
-                and w.is_contiguous() and w.data_ptr() % 16 == 0 and _vec(h, d) and _vec(r, d)):
+                and _norm_weight_ok(w, d, torch.float32) and h.stride(-1) == 1
+                and r.stride(-1) == 1 and r.dtype == h.dtype and _vec(h, d) and _vec(r, d)):
             y, self._sum = _ext.ops().add_rms_norm_gemv(h, r, w, self.eps, weight, bias)
             return y
         return None
