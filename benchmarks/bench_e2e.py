@@ -111,7 +111,9 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=8192)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--anchor", action="store_true", help="also time transformers")
-    ap.add_argument("--profile", action="store_true", help="profile 8 batch-1 decode steps")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile 8 decode steps at batch 1 and at batch 32 (with --step-only: "
+                         "the step figures and these profiles alone)")
     ap.add_argument("--long-context", action="store_true",
                     help="only decode tok/s at long contexts (long_context_decode)")
     ap.add_argument("--step-only", action="store_true",
@@ -153,6 +155,8 @@ def main() -> None:
             res.update(e2e_configs.rooflines(llm.engine.model, args.prefill_tokens, 256))
         res.update(step_figures(llm, args.vocab, res["params"]))
         if args.step_only:
+            if args.profile:
+                res["profile"] = profile_tables(llm, args.vocab)
             report(res, args)
             return
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -182,8 +186,7 @@ def main() -> None:
                                 for i in range(3))
         res.update(prefill_launch_figures(llm, args.vocab, args.prefill_tokens))
         if args.profile:
-            res["profile"] = profile_decode(llm, args.vocab)
-            print(res["profile"])
+            res["profile"] = profile_tables(llm, args.vocab)
         del llm
         torch.cuda.empty_cache()
         report(res, args)  # before the anchor: a run cut short keeps deltaserve's figures
@@ -278,13 +281,23 @@ def prefill_protocol(llm: LLM, long: list[int], vocab: int, one: SamplingParams)
     return res
 
 
-def profile_decode(llm: LLM, vocab: int) -> str:
-    """torch.profiler table of 8 batch-1 decode steps (after their prefill)."""
+def profile_tables(llm: LLM, vocab: int) -> dict[str, str]:
+    """profile_decode's table at batch 1 and 32, each printed; {"b1": table, "b32": table}."""
+    out = {}
+    for batch in (1, 32):
+        out[f"b{batch}"] = profile_decode(llm, vocab, batch)
+        print(f"decode, batch {batch}, 8 steps:\n{out[f'b{batch}']}")
+    return out
+
+
+def profile_decode(llm: LLM, vocab: int, batch: int = 1) -> str:
+    """torch.profiler table of 8 decode steps of `batch` requests (after their prefill)."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = llm.engine
-    eng.add_request(prompt(128, vocab, 5), SamplingParams(temperature=0.0, max_tokens=64,
-                                                         ignore_eos=True))
+    for i in range(batch):
+        eng.add_request(prompt(128, vocab, 5 + i),
+                        SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
     eng.step()
     eng.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
