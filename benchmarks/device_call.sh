@@ -7,7 +7,9 @@ set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 STEPS=${STEPS:-}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
-hash=$(cat setup.py $(find csrc cmake -type f | sort) | sha1sum | cut -c1-12)
+# the same files in the same order on every machine (a locale's collation would reorder them):
+# an extension built elsewhere (python3.12, torch 2.11+cu130) is found by this hash
+hash=$(cat setup.py $(find csrc cmake -type f -not -path "*__pycache__*" | LC_ALL=C sort) | sha1sum | cut -c1-12)
 so=$(ls build/ext_cache/$hash/*.so 2>/dev/null | head -1)
 if [ -n "$so" ]; then
   cp "$so" python/deltaserve/ && echo "extension from cache $hash"
@@ -53,15 +55,20 @@ if has abext; then
     local arm=$1 name=$2; shift 2
     if [ "$arm" = ref ]; then cp build/ext_cache/${REF_EXT:?}/*.so "python/deltaserve/$so_name"
     else cp /tmp/new_ext.so "python/deltaserve/$so_name"; fi
-    local pro=1; [ "$arm" = new ] || pro=0
-    DS_GEMV_PROLOGUE=$pro TAILN=8 run "$name" 100 python3 benchmarks/bench_e2e.py "$@" --step-only --out "$LOGS/$name.json"
+    local pro=1 var=0; [ "$arm" = ref ] || [ "$arm" = pdl ] && pro=0
+    [[ $arm == v* ]] && var=${arm#v}  # vN: this tree's extension with DS_GEMV_VARIANT=N
+    DS_GEMV_VARIANT=$var DS_GEMV_PROLOGUE=$pro TAILN=8 run "$name" 100 python3 benchmarks/bench_e2e.py "$@" --step-only --out "$LOGS/$name.json"
   }
   i=0
   for arm in ${AB08:-ref pdl new ref new}; do i=$((i + 1)); ab_run "$arm" "ab08_${arm}$i" --vocab 248320; done
   for arm in ${ABDEF:-ref new}; do i=$((i + 1)); ab_run "$arm" "abdef_${arm}$i" --model default; done
   cp /tmp/new_ext.so "python/deltaserve/$so_name"
 fi
-has linear && run linear 60 python3 benchmarks/bench_linear.py --out "$LOGS/linear.json"
+# where a decode step's device time goes, kernel by kernel, at batch 1 and 32 (0.8B config)
+has profstep && TAILN=4 run profstep 150 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --profile --out "$LOGS/profstep.json"
+for v in ${LINEAR_VARIANTS:-0}; do
+  has linear && DS_GEMV_VARIANT=$v run linear_v$v 60 python3 benchmarks/bench_linear.py --rows ${LINEAR_ROWS:-1,2,4,8} --out "$LOGS/linear_v$v.json"
+done
 has profile && TAILN=12 run profile 170 python3 benchmarks/profile_step.py --vocab 248320 --out "$LOGS/profile.txt"
 # issue 30: a verify step's host time beside its kernels (default model, MTP k = 3, fixed policy)
 has profmtp && TAILN=12 run profmtp 170 python3 benchmarks/profile_step.py --model default --spec mtp --out "$LOGS/profile_mtp.txt"
