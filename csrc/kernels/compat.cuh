@@ -58,6 +58,16 @@ using ds_error_t = cudaError_t;
 #endif
 #define DS_HOST_DEVICE __host__ __device__ __forceinline__
 
+// Shared memory a kernel is given at launch (launch_dyn): `extern __shared__` on a GPU; the
+// emulator, which runs one block at a time, gives a static buffer of kEmuDynamicSmem bytes.
+#if DS_EMU
+constexpr int kEmuDynamicSmem = 232448;  // the H100/H200's opt-in limit per block (227 KB)
+#define DS_DYNAMIC_SHARED(name) \
+  static unsigned char name[kEmuDynamicSmem] __attribute__((aligned(16)))
+#else
+#define DS_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
 namespace ds {
 
 // Both targets run 32-lane groups: CUDA warps and RDNA wave32 (gfx11). Kernels assume it.
@@ -349,6 +359,16 @@ DS_DEVICE void prefetch_l2(const void* p) {
   (void)p;
 #endif
 }
+// Prefetch `bytes` contiguous bytes (16-byte aligned start, a multiple of 16) into L2 with one
+// bulk request (sm_90's copy engine), issued by one thread; elsewhere a no-op.
+DS_DEVICE void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+#if !DS_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
 // A slot index read before the wait, for aiming prefetches: it may be stale or garbage, so it
 // is clamped into the pool's [0, S) (S >= 1).
 DS_DEVICE int64_t clamp_slot(int64_t slot, int64_t S) {
@@ -456,6 +476,27 @@ inline size_t occupancy_pad_bytes(const void* kernel, int threads, int blocks_pe
 }
 #endif
 
+#if DS_CUDA
+// One cudaLaunchKernelEx with programmatic stream serialization (PDL) on.
+template <typename... KArgs, typename... Args>
+inline cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, size_t smem,
+                              ds_stream_t stream, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, static_cast<KArgs>(args)...);
+  const cudaError_t last = cudaGetLastError();  // as after <<<>>>: nothing left pending
+  return err != cudaSuccess ? err : last;
+}
+#endif
+
 // Every kernel goes through here: one place for launch attributes and the error check.
 // `smem`: dynamic shared memory per block (bytes), which only PDL launches pass on (it pads
 // their occupancy, occupancy_pad_bytes). Should the runtime refuse the launch for its
@@ -474,30 +515,80 @@ inline ds_error_t launch_smem(void (*kernel)(KArgs...), dim3 grid, int threads, 
 #else
 #if DS_CUDA
   if (pdl == Pdl::kOn && pdl_ready(reinterpret_cast<const void*>(kernel))) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = grid;
-    config.blockDim = dim3(threads);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    cudaError_t err = cudaLaunchKernelEx(&config, kernel, static_cast<KArgs>(args)...);
-    cudaError_t last = cudaGetLastError();  // as after <<<>>>: nothing left pending
+    cudaError_t err = launch_pdl(kernel, grid, threads, smem, stream, args...);
     if (smem > 0 && (err == cudaErrorInvalidValue || err == cudaErrorInvalidConfiguration ||
-                     err == cudaErrorLaunchOutOfResources)) {
-      config.dynamicSmemBytes = 0;
-      err = cudaLaunchKernelEx(&config, kernel, static_cast<KArgs>(args)...);
-      last = cudaGetLastError();
-    }
-    return err != cudaSuccess ? err : last;
+                     err == cudaErrorLaunchOutOfResources))
+      err = launch_pdl(kernel, grid, threads, 0, stream, args...);
+    return err;
   }
 #endif
   (void)pdl;
   (void)smem;
   kernel<<<grid, dim3(threads), 0, stream>>>(args...);
+  return ds_get_last_error();
+#endif
+}
+
+// Shared memory of a multiprocessor and the most one block may have (its opt-in limit), in
+// bytes, for launch heuristics; 0 and 0 on HIP (its kernels here keep to static shared memory).
+inline ds_error_t shared_memory_limits(int* per_sm, int* per_block) {
+#if DS_EMU
+  *per_sm = 233472;  // an H100/H200's
+  *per_block = 232448;
+  return DS_SUCCESS;
+#elif DS_HIP
+  *per_sm = *per_block = 0;
+  return DS_SUCCESS;
+#else
+  std::pair<int, int> v{0, 0};
+  const ds_error_t err = cached_per_device(0, &v, [](int dev, std::pair<int, int>* out) {
+    cudaError_t e = cudaDeviceGetAttribute(&out->first,
+                                           cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+    if (e == cudaSuccess)
+      e = cudaDeviceGetAttribute(&out->second, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    return e;
+  });
+  *per_sm = v.first;
+  *per_block = v.second;
+  return err;
+#endif
+}
+
+// A launch of a kernel that needs `smem` bytes of dynamic shared memory (DS_DYNAMIC_SHARED), at
+// most shared_memory_limits' per_block less the kernel's static shared memory: above the default
+// 48 KB the kernel is first allowed all of that (once per kernel and device; the runtime refuses
+// a limit that counts the static part twice).
+template <typename... KArgs, typename... Args>
+inline ds_error_t launch_dyn(void (*kernel)(KArgs...), int64_t blocks, int threads, size_t smem,
+                             ds_stream_t stream, Pdl pdl, Args... args) {
+  if (blocks <= 0) return DS_SUCCESS;
+  if (blocks > 0x7fffffffLL) return DS_ERROR_INVALID_VALUE;
+  const dim3 grid(static_cast<unsigned>(blocks));
+#if DS_EMU
+  if (smem > size_t(kEmuDynamicSmem)) return DS_ERROR_INVALID_VALUE;
+  return launch_smem(kernel, grid, threads, 0, stream, pdl, args...);
+#else
+#if DS_CUDA
+  if (smem > 48 * 1024) {
+    int allowed = 0;
+    const ds_error_t err = cached_per_device(
+        reinterpret_cast<const void*>(kernel), &allowed, [kernel](int dev, int* out) {
+          cudaFuncAttributes attr{};
+          cudaError_t e = cudaDeviceGetAttribute(out, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                                 dev);
+          if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, kernel);
+          *out -= static_cast<int>(attr.sharedSizeBytes);
+          if (e == cudaSuccess)
+            e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, *out);
+          return e;
+        });
+    if (err != DS_SUCCESS) return err;
+  }
+  if (pdl == Pdl::kOn && pdl_ready(reinterpret_cast<const void*>(kernel)))
+    return launch_pdl(kernel, grid, threads, smem, stream, args...);
+#endif
+  (void)pdl;
+  kernel<<<grid, dim3(threads), smem, stream>>>(args...);
   return ds_get_last_error();
 #endif
 }

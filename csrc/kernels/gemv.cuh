@@ -21,12 +21,14 @@
 // chunks apart, so the block's warps together read each weight row front to back.
 //
 // The weights are never written by the kernels of a forward (they are loaded once), so before
-// grid_dependency_wait() (PDL) the block only pulls its first weight lines into L2 (prefetch,
-// no data read); x, which the previous kernel writes, is read after the wait.
+// grid_dependency_wait() (PDL) the block already moves its tile: into shared memory by the copy
+// engine (kSmemW, tile_copy.cuh) or into L2 (one bulk prefetch); x, which the previous kernel
+// writes, is read after the wait (docs/kernels.md, "Where the weights come from").
 // No allocation, no host synchronisation: CUDA-graph capturable.
 #pragma once
 
 #include "compat.cuh"
+#include "tile_copy.cuh"
 
 namespace ds {
 namespace gemv {
@@ -43,6 +45,7 @@ struct GemvParams {
   void* y;           // [M, N] T dense
   int64_t ldx;       // elements between rows of x (a multiple of 8; 0: one row broadcast)
   int M, N, K;       // 1 <= M <= kMaxRows, K % 8 == 0
+  int variant;       // gemv_variant(), set by the launch
 };
 
 // 16 bytes of weights: read once per forward, so they skip L1 (x, read by every block of an SM,
@@ -73,7 +76,24 @@ struct NoPrologue {
   struct Params {};
 };
 
-template <typename T, int WARPS, class Pro>
+// Dynamic shared memory of a block, in bytes: [the weight tile, kTileCols rows stage_ld(K)
+// apart, when the tile is copied in (kSmemW)][x staged by the prologue, M rows][mbarrier].
+DS_HOST_DEVICE constexpr int64_t tile_smem(int K, bool smem_w) {
+  return smem_w ? int64_t(kTileCols) * stage_ld(K) * 2 : 0;
+}
+DS_HOST_DEVICE constexpr int64_t bar_offset(int M, int K, bool smem_w, bool staged) {
+  return tile_smem(K, smem_w) + (staged ? int64_t(M) * stage_ld(K) * 2 : 0);  // 16-byte multiple
+}
+DS_HOST_DEVICE constexpr int64_t dynamic_smem(int M, int K, bool smem_w, bool staged) {
+  return smem_w || staged ? bar_offset(M, K, smem_w, staged) + (smem_w ? 16 : 0) : 0;
+}
+
+// kSmemW: the block's weight tile (rows n0..n0+7, contiguous in W) is copied into shared memory
+// by the copy engine from the block's first instruction (tile_copy.cuh), before the wait for the
+// kernel that writes x: the weight stream overlaps that kernel's tail, the launch and the
+// prologue, and no register holds a weight load in flight. Else the tile is prefetched into L2
+// by one bulk request, and the warps load it into registers after the prologue.
+template <typename T, int WARPS, class Pro, bool kSmemW>
 __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
                                                              const typename Pro::Params pro) {
   static_assert(sizeof(T) == 2, "16-bit operands (the MMA's)");
@@ -81,40 +101,54 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
   const int warp = static_cast<int>(threadIdx.x) / kWarp;
   const int lane = static_cast<int>(threadIdx.x) % kWarp, g = lane / 4, t = lane % 4;
   const int n0 = static_cast<int>(blockIdx.x) * kTileCols;
-  const bool w_ok = n0 + g < p.N;  // a tile past the last column reads zeros
-  const T* wrow = static_cast<const T*>(p.w) + int64_t(w_ok ? n0 + g : n0) * p.K + 8 * t;
+  const int tile_rows = p.N - n0 < kTileCols ? p.N - n0 : kTileCols;
+  const bool w_ok = g < tile_rows;  // a tile past the last column reads zeros
+  const int ld = stage_ld(p.K);
   const int chunks = static_cast<int>(ceil_div(p.K, kChunk));
 
-  if (w_ok && t == 0) {  // this lane group's first round of weight lines
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int c = u * WARPS + warp;
-      if (c < chunks) prefetch_l2(wrow + int64_t(c) * kChunk);
-    }
+  DS_DYNAMIC_SHARED(smem);
+  T* const wtile = reinterpret_cast<T*>(smem);
+  T* const staged = reinterpret_cast<T*>(smem + tile_smem(p.K, kSmemW));
+  const T* const wfirst_row = static_cast<const T*>(p.w) + int64_t(n0) * p.K;
+  const TileCopy tile{reinterpret_cast<const unsigned char*>(wfirst_row), smem,
+                      int64_t(p.K) * 2, ld * 2, tile_rows, p.K * 2,
+                      reinterpret_cast<uint64_t*>(
+                          smem + bar_offset(p.M, p.K, kSmemW, Pro::kStaged))};
+  if constexpr (kSmemW) {
+    tile_copy_start(tile);
+    if (p.variant & 8) launch_dependents();
+  } else if (threadIdx.x == 0) {
+    prefetch_l2_bulk(wfirst_row, static_cast<uint32_t>(tile_rows * p.K * 2));
   }
   grid_dependency_wait();  // x (or what the prologue makes it from) comes from the kernel before
 
   const uint4 zero = {0u, 0u, 0u, 0u};
   // chunk c = base + u * WARPS: this lane's first element k = c * kChunk + 8 t, whose row
   // offset from `wfirst` (`xfirst`) is a constant per u: an immediate in the loads
+  const T* wrow = kSmemW ? wtile + (w_ok ? g : 0) * ld + 8 * t
+                         : wfirst_row + int64_t(w_ok ? g : 0) * p.K + 8 * t;
   uint4 wv[kUnroll];
   const auto load_round = [&](int base) {
     const int k0 = base * kChunk + 8 * t;
     const T* wfirst = wrow + int64_t(base) * kChunk;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      wv[u] = w_ok && k0 + u * WARPS * kChunk < p.K ? load_weight16(wfirst + u * WARPS * kChunk)
-                                                    : zero;
+    for (int u = 0; u < kUnroll; ++u) {
+      const bool in = w_ok && k0 + u * WARPS * kChunk < p.K;
+      if constexpr (kSmemW) wv[u] = in ? load16(wfirst + u * WARPS * kChunk) : zero;
+      else wv[u] = in ? load_weight16(wfirst + u * WARPS * kChunk) : zero;
+    }
   };
   // The prologue runs before the first weight loads: its row values and the loads' registers
   // would otherwise be live together (a norm prologue then takes 128 registers a thread, and a
-  // 1024-block grid two waves). The weights' first lines are in L2 already (prefetched above).
-  __shared__ __align__(16) T staged[Pro::kStaged ? kStageElems : 1];
-  if constexpr (Pro::kStaged) Pro::template stage<T>(pro, staged, stage_ld(p.K), p.M);
+  // 1024-block grid two waves). The weights are on their way meanwhile (copy or L2 prefetch).
+  if constexpr (Pro::kStaged) Pro::template stage<T>(pro, staged, ld, p.M);
+  if constexpr (kSmemW) tile_copy_wait(tile);
   load_round(warp);
+  if (!(kSmemW && (p.variant & 8))) launch_dependents();  // the next kernel may start
+                                                          // launching; it waits for our writes
 
   const bool x_ok = g < p.M;
-  const T* xrow = Pro::kStaged ? staged + (x_ok ? g : 0) * stage_ld(p.K) + 8 * t
+  const T* xrow = Pro::kStaged ? staged + (x_ok ? g : 0) * ld + 8 * t
                                : static_cast<const T*>(p.x) + (x_ok ? g : 0) * p.ldx + 8 * t;
   float d[4] = {0.f, 0.f, 0.f, 0.f};
   for (int base = warp; base < chunks; base += kUnroll * WARPS) {
@@ -132,7 +166,6 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
       mma_16816<T>(d, a1, b1);
     }
   }
-  launch_dependents();  // the next kernel may start launching; it waits for this grid's writes
 
   // d[0], d[1] = this warp's part of y[g][n0 + 2t], y[g][n0 + 2t + 1]; summed over the warps in
   // warp order (fixed: the same bits on every run).
@@ -170,18 +203,56 @@ inline bool gemv_args_ok(const GemvParams& p) {
          p.ldx % 8 == 0;
 }
 
+// DS_GEMV_VARIANT (A/B runs; default 0: the tile in registers): bit 4 = the copied-tile kernel
+// (kSmemW) where it fits, bit 8 = with it, the dependents triggered before the wait instead of
+// after the first loads. The copied tile is opt-in until a GPU run has timed it (docs/kernels.md).
+inline int gemv_variant() {
+  static const int v = [] {
+    const char* e = std::getenv("DS_GEMV_VARIANT");
+    return e != nullptr && e[0] != '\0' ? atoi(e) : 0;  // unset or empty: the default
+  }();
+  return v;
+}
+
+template <typename T, class Pro, bool kSmemW>
+inline ds_error_t launch_gemv_shape(const GemvParams& p, const typename Pro::Params& pro,
+                                    int64_t blocks, int warps, ds_stream_t stream) {
+  const size_t smem = static_cast<size_t>(dynamic_smem(p.M, p.K, kSmemW, Pro::kStaged));
+  switch (warps) {
+    case 4:
+      return launch_dyn(gemv_kernel<T, 4, Pro, kSmemW>, blocks, 4 * kWarp, smem, stream,
+                        Pdl::kOn, p, pro);
+    case 8:
+      return launch_dyn(gemv_kernel<T, 8, Pro, kSmemW>, blocks, 8 * kWarp, smem, stream,
+                        Pdl::kOn, p, pro);
+    default:
+      return launch_dyn(gemv_kernel<T, 16, Pro, kSmemW>, blocks, 16 * kWarp, smem, stream,
+                        Pdl::kOn, p, pro);
+  }
+}
+
+// The copied-tile kernel runs where its shared memory still lets as many blocks share a
+// multiprocessor as one wave of the grid needs (up to 8: a grid of more waves keeps 8 tiles in
+// flight per multiprocessor). Else (M = 8 at N >= 4 blocks per SM: x's stage and the tile
+// would take two waves) the tile is prefetched into L2 and loaded into registers.
 template <typename T, class Pro>
-inline ds_error_t launch_gemv_with(const GemvParams& p, const typename Pro::Params& pro,
+inline ds_error_t launch_gemv_with(GemvParams p, const typename Pro::Params& pro,
                                    ds_stream_t stream) {
-  int sms = 0;
-  const ds_error_t err = multiprocessor_count(&sms);
+  p.variant = gemv_variant();
+  int sms = 0, per_sm = 0, per_block = 0;
+  ds_error_t err = multiprocessor_count(&sms);
+  if (err == DS_SUCCESS) err = shared_memory_limits(&per_sm, &per_block);
   if (err != DS_SUCCESS) return err;
   const int64_t blocks = ceil_div(p.N, kTileCols);
-  switch (gemv_warps(blocks, sms)) {
-    case 4: return launch(gemv_kernel<T, 4, Pro>, blocks, 4 * kWarp, stream, Pdl::kOn, p, pro);
-    case 8: return launch(gemv_kernel<T, 8, Pro>, blocks, 8 * kWarp, stream, Pdl::kOn, p, pro);
-    default: return launch(gemv_kernel<T, 16, Pro>, blocks, 16 * kWarp, stream, Pdl::kOn, p, pro);
-  }
+  const int warps = gemv_warps(blocks, sms);
+  int64_t want = ceil_div(blocks, sms);
+  want = want < 8 ? want : 8;
+  const int64_t smem = dynamic_smem(p.M, p.K, true, Pro::kStaged);
+  const int64_t partials = int64_t(warps) * kWarp * 2 * 4;  // the static part[][][] sums
+  const int64_t block_smem = smem + partials + 1024;  // + what the runtime reserves a block
+  if ((p.variant & 4) && smem + partials <= per_block && want * block_smem <= per_sm)
+    return launch_gemv_shape<T, Pro, true>(p, pro, blocks, warps, stream);
+  return launch_gemv_shape<T, Pro, false>(p, pro, blocks, warps, stream);
 }
 
 template <typename T>

@@ -6,8 +6,8 @@
 //   gated_rms_norm -> GDN out_proj     x = round(round(w * round(x_hat)) * silu(z)) per head
 //   add_rms_norm -> the next layer's first projection (in_proj, qkv_proj, gate_up_proj)
 //                                      s = round(residual + h), x = round(s_hat * w); s written
-// Every block computes all of x (M rows of K: a few KB read from L2, while its first round of
-// weight loads is in flight) into shared memory with the device functions of fused.cuh that
+// Every block computes all of x (M rows of K: a few KB read from L2, while its weight tile
+// streams in) into shared memory with the device functions of fused.cuh that
 // the stand-alone kernels run, so x holds the same bits as their output, and the main loop
 // (gemv.cuh) multiplies the same values in the same order: y is bitwise the unfused pair's.
 // Block 0 alone writes the sum s of add_rms_norm (every block reads residual and h, never s).
