@@ -9,6 +9,8 @@ hand out the same text.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -114,3 +116,20 @@ def test_stop_strings_are_found_at_the_token_that_completes_them(tokenizer):
     text = tokenizer.decode(ids[:stopped_at + 1])
     assert "b = 2" in text and "b = 2" not in tokenizer.decode(ids[:stopped_at])
     assert det.take_new_text(final=True) == "a = 1\n"
+
+
+def test_a_prompt_past_the_context_length_encodes_without_a_warning(tokenizer):
+    """The engine refuses such a prompt with its own error (tests/server/test_cli.py); the
+    tokenizer must not first log transformers' "longer than the specified maximum sequence
+    length ... indexing errors" warning, which would only mislead."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    transformers_logger = logging.getLogger("transformers")
+    transformers_logger.addHandler(handler)
+    try:
+        ids = tokenizer.encode("x = 1\n" * 20000)
+    finally:
+        transformers_logger.removeHandler(handler)
+    assert len(ids) > 32768  # the default model's max_model_len
+    assert not [r for r in records if "maximum sequence length" in r.getMessage()]

@@ -208,6 +208,9 @@ def test_malformed_requests_are_400_and_unknown_routes_404(client):
     bad_json = client.post("/v1/completions", content=b'{"prompt": "Hi",',
                            headers={"content-type": "application/json"})
     assert "JSON" in assert_openai_error(bad_json, 400, None)["message"]
+    not_utf8 = client.post("/v1/completions", content=b'{"prompt": "\xff\xfe", "max_tokens": 2}',
+                           headers={"content-type": "application/json"})
+    assert "not valid UTF-8 (byte 12)" in assert_openai_error(not_utf8, 400, None)["message"]
     form = client.post("/v1/completions", data={"prompt": "Hi"})
     assert "application/x-www-form-urlencoded" in assert_openai_error(form, 400, None)["message"]
     as_text = client.post("/v1/completions", content=b'{"prompt": "Hi"}',

@@ -62,13 +62,19 @@ def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
 
 
 def load_tokenizer(path: str):
-    """The checkpoint's tokenizer (transformers fast tokenizer), or None when it has none."""
+    """The checkpoint's tokenizer (transformers fast tokenizer), or None when it has none.
+
+    Its model_max_length is lifted: the engine refuses a prompt past max_model_len with its
+    own error, and transformers' "longer than the specified maximum sequence length" warning
+    printed before that error would only mislead."""
     if not any(os.path.exists(os.path.join(path, f))
                for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.model_max_length = 2**62
+    return tokenizer
 
 
 class LLMEngine:

@@ -164,6 +164,9 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
             message = f"Invalid URL ({request.method} {request.url.path})"
+        elif isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's body parse, re-raised
+            message = (f"the request body is not valid UTF-8 (byte {exc.__cause__.start}): "
+                       "send JSON encoded as UTF-8")
         else:
             message = str(exc.detail)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"

@@ -196,7 +196,7 @@ def add_server_flags(serve: argparse.ArgumentParser) -> None:
                             "any; '.example.com': it and its subdomains); default: loopback "
                             "names when --host is loopback, else any")
     group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                       help="request-body cap in bytes, larger bodies get 413 "
+                       help="request-body cap in bytes, at least 1024; larger bodies get 413 "
                             f"(default {DEFAULT_MAX_REQUEST_BYTES}: 16 MiB)")
 
 
