@@ -8,7 +8,7 @@ source "$(dirname "$0")/device_env.sh"
 STEPS=${STEPS:-}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # the same files in the same order on every machine (a locale's collation would reorder them):
-# an extension built elsewhere (python3.12, torch 2.11+cu130) is found by this hash
+# an extension built elsewhere (benchmarks/build_device_ext.sh) is found by this hash
 hash=$(cat setup.py $(find csrc cmake -type f -not -path "*__pycache__*" | LC_ALL=C sort) | sha1sum | cut -c1-12)
 so=$(ls build/ext_cache/$hash/*.so 2>/dev/null | head -1)
 if [ -n "$so" ]; then
