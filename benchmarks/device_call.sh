@@ -42,8 +42,8 @@ run() {  # name timeout cmd...
   collect "$name" "$rc" "$((SECONDS - t))"
 }
 has gemvtest && run gemvtest 70 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/ops/test_linear_gpu.py
-# the gemv GPU tests with the weight tile copied into shared memory (opt-in: DS_GEMV_VARIANT=4)
-has smemtest && DS_GEMV_VARIANT=4 TAILN=12 run smemtest 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_linear_gpu.py tests/ops/test_prologue_gpu.py
+# the gemv GPU tests with the weight tile copied into shared memory (opt-in: DS_GEMV_VARIANT=1)
+has smemtest && DS_GEMV_VARIANT=1 TAILN=12 run smemtest 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_linear_gpu.py tests/ops/test_prologue_gpu.py
 # shellcheck disable=SC2086  # GPU_TESTS is a list of test paths
 has gputests && TAILN=25 run gputests ${TESTS_T:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=120 ${GPU_TESTS:-tests/engine/test_gpu_overlap.py}
 # same-call A/B of a csrc change: the extension of csrc hash $REF_EXT (build/ext_cache/$REF_EXT,
@@ -68,11 +68,11 @@ if has abext; then
 fi
 # where a decode step's device time goes, kernel by kernel, at batch 1 and 32 (0.8B config)
 has profstep && TAILN=4 run profstep 150 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --profile --out "$LOGS/profstep.json"
-# bench_linear once per DS_GEMV_VARIANT in $LINEAR_VARIANTS (default: the kernel's default)
-for v in ${LINEAR_VARIANTS:-${DS_GEMV_VARIANT:-}}; do
+# bench_linear once per DS_GEMV_VARIANT in $LINEAR_VARIANTS (default: the variable's value, else
+# 0, the kernel's default)
+for v in ${LINEAR_VARIANTS:-${DS_GEMV_VARIANT:-0}}; do
   has linear && DS_GEMV_VARIANT=$v run linear_v$v 60 python3 benchmarks/bench_linear.py --rows ${LINEAR_ROWS:-1,2,4,8} --out "$LOGS/linear_v$v.json"
 done
-[ -z "${LINEAR_VARIANTS:-${DS_GEMV_VARIANT:-}}" ] && has linear && run linear 60 python3 benchmarks/bench_linear.py --rows ${LINEAR_ROWS:-1,2,4,8} --out "$LOGS/linear.json"
 has profile && TAILN=12 run profile 170 python3 benchmarks/profile_step.py --vocab 248320 --out "$LOGS/profile.txt"
 # issue 30: a verify step's host time beside its kernels (default model, MTP k = 3, fixed policy)
 has profmtp && TAILN=12 run profmtp 170 python3 benchmarks/profile_step.py --model default --spec mtp --out "$LOGS/profile_mtp.txt"

@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
                           smem + bar_offset(p.M, p.K, kSmemW, Pro::kStaged))};
   if constexpr (kSmemW) {
     tile_copy_start(tile);
-    if (p.variant & 8) launch_dependents();
+    if (p.variant & 2) launch_dependents();
   } else if (threadIdx.x == 0) {
     prefetch_l2_bulk(wfirst_row, static_cast<uint32_t>(tile_rows * p.K * 2));
   }
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
   if constexpr (Pro::kStaged) Pro::template stage<T>(pro, staged, ld, p.M);
   if constexpr (kSmemW) tile_copy_wait(tile);
   load_round(warp);
-  if (!(kSmemW && (p.variant & 8))) launch_dependents();  // the next kernel may start
+  if (!(kSmemW && (p.variant & 2))) launch_dependents();  // the next kernel may start
                                                           // launching; it waits for our writes
 
   const bool x_ok = g < p.M;
@@ -203,8 +203,8 @@ inline bool gemv_args_ok(const GemvParams& p) {
          p.ldx % 8 == 0;
 }
 
-// DS_GEMV_VARIANT (A/B runs; default 0: the tile in registers): bit 4 = the copied-tile kernel
-// (kSmemW) where it fits, bit 8 = with it, the dependents triggered before the wait instead of
+// DS_GEMV_VARIANT (A/B runs; default 0: the tile in registers): bit 1 = the copied-tile kernel
+// (kSmemW) where it fits, bit 2 = with it, the dependents triggered before the wait instead of
 // after the first loads. The copied tile is opt-in until a GPU run has timed it (docs/kernels.md).
 inline int gemv_variant() {
   static const int v = [] {
@@ -250,7 +250,7 @@ inline ds_error_t launch_gemv_with(GemvParams p, const typename Pro::Params& pro
   const int64_t smem = dynamic_smem(p.M, p.K, true, Pro::kStaged);
   const int64_t partials = int64_t(warps) * kWarp * 2 * 4;  // the static part[][][] sums
   const int64_t block_smem = smem + partials + 1024;  // + what the runtime reserves a block
-  if ((p.variant & 4) && smem + partials <= per_block && want * block_smem <= per_sm)
+  if ((p.variant & 1) && smem + partials <= per_block && want * block_smem <= per_sm)
     return launch_gemv_shape<T, Pro, true>(p, pro, blocks, warps, stream);
   return launch_gemv_shape<T, Pro, false>(p, pro, blocks, warps, stream);
 }
