@@ -309,58 +309,67 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
   }
 }
 
-// Merge blocks: one per (output row, kMergeCols columns); thread (group, column) folds splits
-// group, group + kMergeGroups, ... of its column with the online softmax's rescaling (weights
-// 2^(lse - running max)), then the groups are folded through shared memory. At a small batch one
-// request has ~200 splits over only N * R * Hq rows: one thread per element looping over every
-// split left a few blocks each waiting out ~200 dependent-latency loads (B = 1 at 32k);
-// spread this way the merge has D / kMergeCols times the blocks and kMergeGroups times fewer
-// loads a thread. Requests with one split are skipped (the attention kernel wrote them).
-constexpr int kMergeCols = 32;
-constexpr int kMergeGroups = 8;
+// Merge blocks: one per (output row, kMergeCols columns). With M the largest of the row's
+// split log-sum-exps and w_s = 2^(lse_s - M), out = sum_s w_s part_s / sum_s w_s. Every warp
+// finds M itself (its lanes read the log-sum-exps 32 apart, then a butterfly: no barrier);
+// thread (group, column word) then adds w_s part_s over splits group, group + kMergeGroups, ...:
+// loads that depend on nothing before them, so a thread has all of its count / kMergeGroups in
+// flight at once. (An online-softmax fold chains each split's rescale through the last one: at
+// B = 1, 32k, ~200 splits took ~9 us.) The groups' sums fold through shared memory, the one
+// barrier. Requests with one split are skipped (the attention kernel wrote them).
+constexpr int kMergeVec = 4;                                    // columns per thread (float4)
+constexpr int kMergeColThreads = 8;                             // threads across a block's columns
+constexpr int kMergeCols = kMergeVec * kMergeColThreads;        // 32 columns a block
+constexpr int kMergeGroups = 32;                                // threads across the splits
+constexpr int kMergeThreads = kMergeColThreads * kMergeGroups;  // 256
+
 template <typename T>
-__global__ void __launch_bounds__(kMergeCols * kMergeGroups) merge_kernel(const PagedAttnParams p) {
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const PagedAttnParams p) {
+  __shared__ __align__(16) float o_s[kMergeGroups][kMergeCols];
+  __shared__ float w_s[kMergeGroups];
   grid_dependency_wait();  // the partial outputs of the attention kernel before
-  __shared__ float m_s[kMergeGroups][kMergeCols], l_s[kMergeGroups][kMergeCols],
-      o_s[kMergeGroups][kMergeCols];
   const int chunks = p.D / kMergeCols;
   const int64_t row = blockIdx.x / chunks;
-  const int c = threadIdx.x % kMergeCols, grp = threadIdx.x / kMergeCols;
-  const int col = static_cast<int>(blockIdx.x % chunks) * kMergeCols + c;
+  const int col0 = static_cast<int>(blockIdx.x % chunks) * kMergeCols;
   const int n = static_cast<int>(row / (int64_t(p.R) * p.Hq));
   const int len = usable_len(p.kv_lens[n], p.page_size, p.max_pages);
   const int count = split_plan(len, p.max_splits).count;
   if (count <= 1) return;  // the whole block: count is the request's
   const float* lse = p.part_lse + row * p.max_splits;
-  const float* part = p.part_o + row * p.max_splits * p.D + col;
-  float m = neg_inf(), l = 0.f, o = 0.f;
+  const int tid = threadIdx.x;
+  float mx = neg_inf();
+  for (int s = tid % kWarp; s < count; s += kWarp) mx = fmaxf(mx, lse[s]);
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) mx = fmaxf(mx, shfl_xor(mx, off));
+  const int cw = tid % kMergeColThreads, grp = tid / kMergeColThreads;
+  const float* part = p.part_o + row * p.max_splits * p.D + col0 + cw * kMergeVec;
+  float acc[kMergeVec] = {0.f, 0.f, 0.f, 0.f};
+  float wsum = 0.f;
 #pragma unroll 4
   for (int s = grp; s < count; s += kMergeGroups) {
     const float ls = lse[s];
-    const float v = part[int64_t(s) * p.D];
-    if (ls == neg_inf()) continue;  // a split whose positions this row sees none of
-    const float m_new = fmaxf(m, ls);
-    const float alpha = exp2f(m - m_new), w = exp2f(ls - m_new);  // alpha 0 from m = -inf
-    l = ffma(l, alpha, w);
-    o = ffma(o, alpha, fmul(w, v));
-    m = m_new;
+    const float4 v = *reinterpret_cast<const float4*>(part + int64_t(s) * p.D);
+    // a split whose positions this row sees none of has lse -inf: weight 0
+    const float w = ls == neg_inf() ? 0.f : exp2f(ls - mx);
+    wsum = fadd(wsum, w);
+    acc[0] = ffma(w, v.x, acc[0]);
+    acc[1] = ffma(w, v.y, acc[1]);
+    acc[2] = ffma(w, v.z, acc[2]);
+    acc[3] = ffma(w, v.w, acc[3]);
   }
-  m_s[grp][c] = m;
-  l_s[grp][c] = l;
-  o_s[grp][c] = o;
+#pragma unroll
+  for (int e = 0; e < kMergeVec; ++e) o_s[grp][cw * kMergeVec + e] = acc[e];
+  if (cw == 0) w_s[grp] = wsum;
   __syncthreads();
-  if (grp != 0) return;
-  float mx = neg_inf();
-#pragma unroll
-  for (int g = 0; g < kMergeGroups; ++g) mx = fmaxf(mx, m_s[g][c]);
-  float sum = 0.f, acc = 0.f;
-#pragma unroll
+  if (tid >= kMergeCols) return;
+  float sum = 0.f, total = 0.f;
+#pragma unroll 8
   for (int g = 0; g < kMergeGroups; ++g) {
-    const float w = m_s[g][c] == neg_inf() ? 0.f : exp2f(m_s[g][c] - mx);
-    sum = ffma(w, l_s[g][c], sum);
-    acc = ffma(w, o_s[g][c], acc);
+    sum = fadd(sum, o_s[g][tid]);
+    total = fadd(total, w_s[g]);
   }
-  static_cast<T*>(p.out)[row * p.D + col] = from_float<T>(sum > 0.f ? fdiv(acc, sum) : 0.f);
+  static_cast<T*>(p.out)[row * p.D + col0 + tid] =
+      from_float<T>(total > 0.f ? fdiv(sum, total) : 0.f);
 }
 
 // One thread per 16-byte word of the new rows' K and V.
@@ -424,8 +433,8 @@ inline ds_error_t launch_paged_attention_d(const PagedAttnParams& p, ds_stream_t
   // both with PDL: at a small batch the launch gaps, not the bytes, are most of the time
   const ds_error_t err = launch(paged_attn_kernel<T, D>, grid, kThreads, stream, Pdl::kOn, p);
   if (err != DS_SUCCESS || p.max_splits == 1) return err;
-  return launch(merge_kernel<T>, int64_t(p.N) * p.R * p.Hq * (D / kMergeCols),
-                kMergeCols * kMergeGroups, stream, Pdl::kOn, p);
+  return launch(merge_kernel<T>, int64_t(p.N) * p.R * p.Hq * (D / kMergeCols), kMergeThreads,
+                stream, Pdl::kOn, p);
 }
 
 // The attention of every row, then (max_splits > 1) the merge. p.heads_per_block and

@@ -67,6 +67,11 @@ LONG_CASES = [  # lens, rows, hq, hkv, d, page_size, max_kv_len, dtype
     ([257, 96], 1, 16, 2, 256, 64, 128, torch.bfloat16),
     # 63 one-tile splits of one row: every merge thread group folds several splits
     ([2000], 1, 1, 1, 64, 16, 4096, torch.bfloat16),
+    # 313 splits of 64 (528 in the grid: the emulated 132 SMs x 4 blocks at D 64): a merge
+    # warp's lanes read 9-10 log-sum-exps each, a thread group folds 9-10 splits; the last
+    # split holds only position 19968, which verify row 0 (it sees 0 .. 19967) does not see:
+    # its lse is -inf, its weight 0
+    ([19969], 2, 2, 1, 64, 32, 20000, torch.bfloat16),
 ]
 
 
