@@ -48,8 +48,27 @@ def make_pool(batch: int, ctx: int, page_size: int, gen: torch.Generator):
     return kv, table
 
 
+def kernel_split(run, calls: int) -> dict[str, float]:
+    """Device µs per call of each kernel `run` launches (eagerly, `calls` calls a run), from
+    torch.profiler: how a call's time divides between the attention kernel and its merge."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
+            name = e.key.split("<")[0].split("(")[0][-40:]
+            out[name] = out.get(name, 0.0) + e.self_device_time_total / calls
+    return out
+
+
 def bench_case(batch: int, ctx: int, rows: int, page_size: int, chain: int, copy_gbps: float,
-               gather_gb: float, gen: torch.Generator, append: bool = False) -> dict:
+               gather_gb: float, gen: torch.Generator, append: bool = False,
+               profile: bool = False) -> dict:
     kv, table = make_pool(batch, ctx, page_size, gen)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qs = [torch.randn(batch, rows, HQ, D, device="cuda", generator=gen).bfloat16()
@@ -64,11 +83,14 @@ def bench_case(batch: int, ctx: int, rows: int, page_size: int, chain: int, copy
         outs[i] = paged_attention(qs[i], kv.k[0], kv.v[0], table, lens, D ** -0.5, MAX_KV_LEN)
 
     kernel = graph_us([lambda i=i: call(i) for i in range(chain)], chain)
+    split = kernel_split(lambda: [call(i) for i in range(chain)], chain) if profile else None
     kv_bytes = batch * ctx * HKV * D * 2 * 2
     row = {"batch": batch, "ctx": ctx, "rows": rows, "page_size": page_size,
            "kernel_us": kernel, "ideal_us": kv_bytes / copy_gbps / 1e3,
            "kernel_GBps": kv_bytes / kernel / 1e3}
     row["frac_of_copy"] = row["kernel_GBps"] / copy_gbps
+    if split is not None:
+        row["kernels_us"] = split
     # the gather block: keys and values repeated per q head, bf16
     gathered = batch * ctx * HQ * D * 2 * 2
     row["gather_us"] = None
@@ -94,6 +116,8 @@ def main() -> None:
     ap.add_argument("--chain", type=int, default=8)
     ap.add_argument("--gather-gb", type=float, default=24.0)
     ap.add_argument("--append", action="store_true", help="time kv_append + attention")
+    ap.add_argument("--profile", action="store_true",
+                    help="also each kernel's device time per call (eager, torch.profiler)")
     args = ap.parse_args()
     assert extension_loaded(), "deltaserve._C is not built: nothing to measure"
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -108,7 +132,7 @@ def main() -> None:
                 decode_us = None
                 for rows in (int(x) for x in args.rows.split(",")):
                     row = bench_case(b, ctx, rows, ps, args.chain, copy_gbps, args.gather_gb,
-                                     gen, args.append)
+                                     gen, args.append, args.profile)
                     torch.cuda.empty_cache()  # this case's pool and graphs are gone
                     if rows == 1:
                         decode_us = row["kernel_us"]
@@ -120,6 +144,9 @@ def main() -> None:
                     print(f"{ps:4d} {b:4d} {ctx:6d} {rows:2d} {row['kernel_us']:10.2f} "
                           f"{row['ideal_us']:9.2f} {100 * row['frac_of_copy']:6.1f}% "
                           f"{gather:>10s} {ratio:>14s}", flush=True)
+                    if "kernels_us" in row:
+                        print("      " + ", ".join(f"{k} {v:.2f} us"
+                                                   for k, v in row["kernels_us"].items()))
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "copy_GBps": copy_gbps, "max_kv_len": MAX_KV_LEN,
                    "device": torch.cuda.get_device_name(), "rows": results}, f, indent=2)

@@ -162,6 +162,10 @@ def main() -> None:
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         if args.long_context:
             res.update(long_context_decode(llm, args.vocab, args.decode_tokens))
+            if args.profile:  # where the long context's extra step time goes (issue 28)
+                for ctx in (128, 16384):
+                    res[f"profile_ctx{ctx}_b8"] = table = profile_decode(llm, args.vocab, 8, ctx)
+                    print(f"decode, batch 8, context {ctx}, 8 steps:\n{table}", flush=True)
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=2)
             return
@@ -290,15 +294,18 @@ def profile_tables(llm: LLM, vocab: int) -> dict[str, str]:
     return out
 
 
-def profile_decode(llm: LLM, vocab: int, batch: int = 1) -> str:
-    """torch.profiler table of 8 decode steps of `batch` requests (after their prefill)."""
+def profile_decode(llm: LLM, vocab: int, batch: int = 1, ctx: int = 128) -> str:
+    """torch.profiler table of 8 decode steps of `batch` requests of `ctx`-token prompts (after
+    their prefill)."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = llm.engine
-    for i in range(batch):
-        eng.add_request(prompt(128, vocab, 5 + i),
-                        SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
-    eng.step()
+    rids = {eng.add_request(prompt(ctx, vocab, 5 + i),
+                            SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+            for i in range(batch)}
+    started: set[int] = set()
+    while started != rids:  # past every prompt's prefill
+        started |= {o.rid for o in eng.step() if o.new_token_ids}
     eng.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(8):

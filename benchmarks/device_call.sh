@@ -98,6 +98,21 @@ fi
 has moebench && TAILN=20 run moebench 90 python3 benchmarks/bench_moe.py --out "$LOGS/moe.json"
 has moe35 && TAILN=25 run moe35 ${MOE_T:-300} python3 benchmarks/bench_e2e.py --config qwen3.6-35b-a3b --out "$LOGS/moe35.json"
 has long && TAILN=10 run long 150 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --out "$LOGS/long.json"
+# issue 28: the paged attention kernels once per arm of $ATTN_ARMS: "ref" (the extension of
+# csrc hash $REF_EXT, carried in build/ext_cache) or a number (this tree's, with
+# DS_ATTN_BLOCKS_PER_SM set to it; 0: the kernel's own figure)
+if has attn; then
+  so_name=$(basename "$(ls python/deltaserve/_C*.so | head -1)")
+  cp "python/deltaserve/$so_name" /tmp/new_attn_ext.so
+  for arm in ${ATTN_ARMS:-0}; do
+    if [ "$arm" = ref ]; then cp build/ext_cache/${REF_EXT:?}/*.so "python/deltaserve/$so_name"; bps=0
+    else cp /tmp/new_attn_ext.so "python/deltaserve/$so_name"; bps=$arm; fi
+    DS_ATTN_BLOCKS_PER_SM=$bps run "attn_$arm" 90 python3 benchmarks/bench_attention.py --batches ${ATTN_B:-1,8} --contexts ${ATTN_CTX:-128,8192,16384,32768} --page-sizes 16 --gather-gb 0 ${ATTN_PROF:+--profile} --out "$LOGS/attn_$arm.json"
+  done
+  cp /tmp/new_attn_ext.so "python/deltaserve/$so_name"
+fi
+# where a batch-8 decode step's time goes at context 128 and 16k (after the long-context rows)
+has longprof && TAILN=4 run longprof 200 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --profile --out "$LOGS/longprof.json"
 has mtptest && run mtptest 90 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/spec/test_gpu_mtp_graph.py
 has spec && TAILN=14 run spec ${SPEC_T:-150} python3 benchmarks/bench_spec.py --workload heldout --corpus build/spec_corpus --batches ${SPEC_B:-1,32} --ks 3 --max-tokens 64 --policies ${SPEC_P:-fixed,adaptive} --overlap-verify ${SPEC_OV:-off} --out "$LOGS/spec.json"
 # issue 27, prefill: GPU tests of the prefill path (~2-4 min on a machine that has not compiled
