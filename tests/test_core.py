@@ -27,3 +27,14 @@ def test_sampling_params_take_one_stop_string_or_none_and_refuse_wrong_types():
         with pytest.raises(ValueError):
             SamplingParams(**kwargs).validate()
     SamplingParams(stop=["x"] * MAX_STOP_STRINGS, temperature=1, top_p=1).validate()
+
+
+def test_bad_values_fail_where_the_params_are_built_and_again_when_changed_after():
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature=-0.5)  # as vLLM: no request needed to see the mistake
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+        SamplingParams(max_tokens=0)
+    params = SamplingParams()
+    params.top_p = 0.0  # a mutable dataclass: a request's own check (validate) still sees it
+    with pytest.raises(ValueError, match="top_p must be in"):
+        params.validate()

@@ -70,6 +70,8 @@ class SamplingParams:
     Penalties follow vLLM: presence/frequency are subtracted from logits of generated tokens,
     repetition (> 1 penalises) divides positive / multiplies negative logits of prompt and
     generated tokens (CTRL, Keskar et al. 2019, eq. 2).
+    Raises ValueError naming the first bad field when built (`validate`); a request checks its
+    params again when it is added, so fields changed after construction are checked too.
     """
 
     max_tokens: int = 16
@@ -105,6 +107,7 @@ class SamplingParams:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids)
+        self.validate()  # as vLLM's: a bad value fails where it is written
 
     @property
     def greedy(self) -> bool:

@@ -221,7 +221,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
-        print("deltaserve generate: no prompts given", file=sys.stderr)
+        print("deltaserve: error: no prompts given", file=sys.stderr)
         return 2
     for n, p in enumerate(prompts):  # before minutes of model loading
         if not p:
@@ -233,12 +233,11 @@ def _generate(args: argparse.Namespace) -> int:
                              f"{e.object[e.start].encode('utf-8', 'surrogateescape')!r} at "
                              f"character {e.start})") from None
     # the chat template's own last token ("\n" after the assistant tag) is not the user's
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos,
-                            repetition_penalty=args.repetition_penalty,
-                            token_healing=args.token_healing and not args.chat)
     try:  # before minutes of model loading, naming the flag
-        params.validate()
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos,
+                                repetition_penalty=args.repetition_penalty,
+                                token_healing=args.token_healing and not args.chat)
     except ValueError as e:
         field, _, rest = str(e).partition(" ")
         raise SystemExit(f"deltaserve: error: {SAMPLING_FLAGS.get(field, field)} {rest}") from e
@@ -254,7 +253,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _run_generate(engine, args: argparse.Namespace, prompts: list[str], params) -> int:
     tok = engine.tokenizer
     if tok is None:
-        print("deltaserve generate: the model has no tokenizer", file=sys.stderr)
+        print("deltaserve: error: the model has no tokenizer", file=sys.stderr)
         return 2
     if args.chat:
         texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -268,7 +267,7 @@ def _run_generate(engine, args: argparse.Namespace, prompts: list[str], params) 
         raise SystemExit(f"deltaserve: error: {e}") from e
     cut = [n for n, i in enumerate(ids) if len(i) + params.max_tokens > engine.max_model_len]
     if cut:  # the server refuses such a request; here the context length bounds the output
-        print(f"deltaserve generate: --max-tokens {params.max_tokens} does not fit the context "
+        print(f"deltaserve: warning: --max-tokens {params.max_tokens} does not fit the context "
               f"length {engine.max_model_len} for {len(cut)} prompt(s): they stop at the "
               f"context length", file=sys.stderr)
     texts = {rid: "" for rid in rids}

@@ -147,12 +147,11 @@ class _GenerationRequest(BaseModel):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
-        params = SamplingParams(
-            max_tokens=max_tokens, seed=self.seed, stop=self.stop_list(),
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            **{k: v for k, v in values.items() if v is not None})
         try:
-            params.validate()
+            params = SamplingParams(
+                max_tokens=max_tokens, seed=self.seed, stop=self.stop_list(),
+                stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+                **{k: v for k, v in values.items() if v is not None})
         except ValueError as e:
             field = str(e).split(" ", 1)[0]
             if field == "max_tokens":
