@@ -42,8 +42,9 @@ run() {  # name timeout cmd...
   collect "$name" "$rc" "$((SECONDS - t))"
 }
 has gemvtest && run gemvtest 70 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/ops/test_linear_gpu.py
-# the gemv GPU tests with the weight tile copied into shared memory (opt-in: DS_GEMV_VARIANT=1)
-has smemtest && DS_GEMV_VARIANT=1 TAILN=12 run smemtest 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_linear_gpu.py tests/ops/test_prologue_gpu.py
+# the gemv GPU tests with DS_GEMV_VARIANT=$SMEM_VARIANT: 1 (default here: the copied tile, whose
+# results the default 3 shares: bit 2 moves only when the next kernel launches), 0 (registers)
+has smemtest && DS_GEMV_VARIANT=${SMEM_VARIANT:-1} TAILN=12 run smemtest 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_linear_gpu.py tests/ops/test_prologue_gpu.py
 # shellcheck disable=SC2086  # GPU_TESTS is a list of test paths
 has gputests && TAILN=25 run gputests ${TESTS_T:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=120 ${GPU_TESTS:-tests/engine/test_gpu_overlap.py}
 # same-call A/B of a csrc change: the extension of csrc hash $REF_EXT (build/ext_cache/$REF_EXT,
