@@ -204,8 +204,9 @@ inline bool gemv_args_ok(const GemvParams& p) {
 }
 
 // DS_GEMV_VARIANT (A/B runs): bit 1 = the copied-tile kernel (kSmemW) where it fits, bit 2 =
-// the dependents triggered before the wait instead of after the first loads. The default, 3 (both),
-// beat 0 (the tile in registers everywhere) by 2.7% of a 0.8B-config step (H100; docs/kernels.md).
+// the dependents triggered before the wait instead of after the first loads. The default, 3
+// (both), took 2-3% off the 0.8B config's batch-1 step against 0 (the tile in registers
+// everywhere) in two same-call A/Bs on H100s (docs/kernels.md).
 constexpr int kDefaultGemvVariant = 3;
 inline int gemv_variant() {
   static const int v = [] {
