@@ -180,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "trailing newline: newline + indentation) and make the first "
                           "token extend it; the output still continues the prompt exactly "
                           "(default on; not applied with --chat)")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="keep generating past the end-of-sequence token, up to --max-tokens "
+                          "(benchmarks)")
     gen.add_argument("--chat", action="store_true",
                      help="wrap each prompt as a user message in the chat template")
     add_engine_flags(gen)
