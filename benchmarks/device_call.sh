@@ -51,13 +51,17 @@ has gputests && TAILN=25 run gputests ${TESTS_T:-200} python3 -m pytest -m gpu -
 # carried; run with DS_GEMV_PROLOGUE=0, as it has no prologue kernels) beside this tree's with
 # the gemv prologues off ("pdl") and on ("new"), in turn, on the step figures of the 0.8B config
 # ($AB08 arms) and the default model ($ABDEF arms): graph device time per step, tok/s
+# use_ext ref|new: the extension of csrc hash $REF_EXT (build/ext_cache, carried) or this tree's
+so_name=$(basename "$(ls python/deltaserve/_C*.so | head -1)")
+cp "python/deltaserve/$so_name" /tmp/new_ext.so
+use_ext() {
+  if [ "$1" = ref ]; then cp build/ext_cache/${REF_EXT:?}/*.so "python/deltaserve/$so_name"
+  else cp /tmp/new_ext.so "python/deltaserve/$so_name"; fi
+}
 if has abext; then
-  so_name=$(basename "$(ls python/deltaserve/_C*.so | head -1)")
-  cp "python/deltaserve/$so_name" /tmp/new_ext.so
   ab_run() {  # arm name bench_e2e-args...
     local arm=$1 name=$2; shift 2
-    if [ "$arm" = ref ]; then cp build/ext_cache/${REF_EXT:?}/*.so "python/deltaserve/$so_name"
-    else cp /tmp/new_ext.so "python/deltaserve/$so_name"; fi
+    if [ "$arm" = ref ]; then use_ext ref; else use_ext new; fi
     local pro=1 var=${DS_GEMV_VARIANT:-}; [ "$arm" = ref ] || [ "$arm" = pdl ] && pro=0
     [[ $arm == v* ]] && var=${arm#v}  # vN: this tree's extension with DS_GEMV_VARIANT=N
     DS_GEMV_VARIANT=$var DS_GEMV_PROLOGUE=$pro TAILN=8 run "$name" 100 python3 benchmarks/bench_e2e.py "$@" --step-only --out "$LOGS/$name.json"
@@ -65,14 +69,14 @@ if has abext; then
   i=0
   for arm in ${AB08:-ref pdl new ref new}; do i=$((i + 1)); ab_run "$arm" "ab08_${arm}$i" --vocab 248320; done
   for arm in ${ABDEF:-ref new}; do i=$((i + 1)); ab_run "$arm" "abdef_${arm}$i" --model default; done
-  cp /tmp/new_ext.so "python/deltaserve/$so_name"
+  use_ext new
 fi
 # where a decode step's device time goes, kernel by kernel, at batch 1 and 32 (0.8B config)
 has profstep && TAILN=4 run profstep 150 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --profile --out "$LOGS/profstep.json"
 # bench_linear once per DS_GEMV_VARIANT in $LINEAR_VARIANTS (default: the variable's value, else
-# 0, the kernel's default)
-for v in ${LINEAR_VARIANTS:-${DS_GEMV_VARIANT:-0}}; do
-  has linear && DS_GEMV_VARIANT=$v run linear_v$v 60 python3 benchmarks/bench_linear.py --rows ${LINEAR_ROWS:-1,2,4,8} --out "$LOGS/linear_v$v.json"
+# "default": the variable unset, the kernel's own default)
+for v in ${LINEAR_VARIANTS:-${DS_GEMV_VARIANT:-default}}; do
+  has linear && DS_GEMV_VARIANT=${v#default} run linear_v$v 60 python3 benchmarks/bench_linear.py --rows ${LINEAR_ROWS:-1,2,4,8} --out "$LOGS/linear_v$v.json"
 done
 has profile && TAILN=12 run profile 170 python3 benchmarks/profile_step.py --vocab 248320 --out "$LOGS/profile.txt"
 # issue 30: a verify step's host time beside its kernels (default model, MTP k = 3, fixed policy)
@@ -103,14 +107,11 @@ has long && TAILN=10 run long 150 python3 benchmarks/bench_e2e.py --vocab 248320
 # csrc hash $REF_EXT, carried in build/ext_cache) or a number (this tree's, with
 # DS_ATTN_BLOCKS_PER_SM set to it; 0: the kernel's own figure)
 if has attn; then
-  so_name=$(basename "$(ls python/deltaserve/_C*.so | head -1)")
-  cp "python/deltaserve/$so_name" /tmp/new_attn_ext.so
   for arm in ${ATTN_ARMS:-0}; do
-    if [ "$arm" = ref ]; then cp build/ext_cache/${REF_EXT:?}/*.so "python/deltaserve/$so_name"; bps=0
-    else cp /tmp/new_attn_ext.so "python/deltaserve/$so_name"; bps=$arm; fi
+    if [ "$arm" = ref ]; then use_ext ref; bps=0; else use_ext new; bps=$arm; fi
     DS_ATTN_BLOCKS_PER_SM=$bps run "attn_$arm" 90 python3 benchmarks/bench_attention.py --batches ${ATTN_B:-1,8} --contexts ${ATTN_CTX:-128,8192,16384,32768} --page-sizes 16 --gather-gb 0 ${ATTN_PROF:+--profile} --out "$LOGS/attn_$arm.json"
   done
-  cp /tmp/new_attn_ext.so "python/deltaserve/$so_name"
+  use_ext new
 fi
 # where a batch-8 decode step's time goes at context 128 and 16k (after the long-context rows)
 has longprof && TAILN=4 run longprof 200 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --profile --out "$LOGS/longprof.json"
