@@ -1,5 +1,7 @@
-"""Ctrl-C on `deltaserve serve`: requests still running when the engine stops get an answer
-(a 503 JSON error, or an error event then [DONE] in a stream), not a cancelled task."""
+"""Ctrl-C on `deltaserve serve`: requests still running when the server stops get an answer
+(a 503 JSON error, or an error event then [DONE] in a stream), not a cancelled task: after
+the engine stops (first Ctrl-C), on a second Ctrl-C (uvicorn's force quit) and when
+uvicorn's grace period runs out."""
 
 from __future__ import annotations
 
@@ -10,12 +12,15 @@ import threading
 import time
 
 import httpx
+import pytest
 import uvicorn
 from live_server import make_engine
 
 from deltaserve.server.api import build_app
 from deltaserve.server.async_engine import AsyncEngine
-from deltaserve.server.cli import graceful_server
+from deltaserve.server.shutdown import CANCELLED_MESSAGE, graceful_server
+
+BODY = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
 
 
 class SlowEngine:
@@ -32,23 +37,28 @@ class SlowEngine:
         return self._engine.step()
 
 
-def test_requests_running_at_shutdown_end_with_a_503_or_an_error_event(tiny_model, caplog):
+def stop_mid_requests(tiny_model, caplog, signals: int, stop_after: float,
+                      grace: float) -> tuple[dict, AsyncEngine]:
+    """Serve on a free port; start a plain, a streamed and an n=2 request; once all are
+    running, deliver `signals` exit signals. Returns the answers (by kind) and the engine,
+    shut down. uvicorn's own log records propagate (log_config=None) so that caplog sees
+    its tracebacks too."""
     engine = AsyncEngine(SlowEngine(make_engine(tiny_model)))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    config = uvicorn.Config(build_app(engine), log_level="warning", timeout_graceful_shutdown=5)
-    server = graceful_server(config, engine, stop_after=0.3)
+    config = uvicorn.Config(build_app(engine), log_level="info", log_config=None,
+                            timeout_graceful_shutdown=grace)
+    server = graceful_server(config, engine, stop_after=stop_after)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    body = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
     results: dict = {}
 
-    def plain() -> None:
-        results["plain"] = httpx.post(base + "/v1/completions", json=body, timeout=30)
+    def plain(kind: str, body: dict) -> None:
+        results[kind] = httpx.post(base + "/v1/completions", json=body, timeout=30)
 
     def streamed() -> None:
-        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True},
+        with httpx.stream("POST", base + "/v1/completions", json={**BODY, "stream": True},
                           timeout=30) as r:
             results["stream"] = [line for line in r.iter_lines() if line.startswith("data: ")]
 
@@ -57,25 +67,63 @@ def test_requests_running_at_shutdown_end_with_a_503_or_an_error_event(tiny_mode
         while not server.started:
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.02)
-        clients = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+        clients = [threading.Thread(target=plain, args=("plain", BODY)),
+                   threading.Thread(target=plain, args=("n2", {**BODY, "n": 2})),
+                   threading.Thread(target=streamed)]
         for c in clients:
             c.start()
-        while engine.num_inflight < 2:
+        while engine.num_inflight < 4:
             assert time.monotonic() < deadline, "the requests did not start"
             time.sleep(0.02)
         with caplog.at_level(logging.INFO):
-            server.handle_exit(signal.SIGINT, None)
+            for _ in range(signals):
+                server.handle_exit(signal.SIGINT, None)
+                time.sleep(0.1)
             for c in clients:
                 c.join(10)
             thread.join(10)
         assert not thread.is_alive(), "the server did not stop"
-        plain_response = results["plain"]
-        assert plain_response.status_code == 503
-        assert plain_response.json()["error"]["message"] == "the engine was shut down"
-        events = results["stream"]
-        assert events[-1] == "data: [DONE]"
-        assert "the engine was shut down" in events[-2]
-        assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
     finally:
         server.should_exit = True
         engine.shutdown()
+    return results, engine
+
+
+def assert_answered(results: dict, message: str, caplog) -> None:
+    for kind in ("plain", "n2"):
+        response = results[kind]
+        assert response.status_code == 503, response.text
+        assert response.json() == {"error": {"message": message, "type": "server_error",
+                                             "param": None, "code": None}}
+    events = results["stream"]
+    assert events[-1] == "data: [DONE]"
+    assert message in events[-2] and '"type":"server_error"' in events[-2]
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert not [r for r in caplog.records if "Traceback" in r.getMessage()]
+
+
+def assert_nothing_leaked(engine: AsyncEngine) -> None:
+    assert engine.num_inflight == 0
+    inner = engine.engine
+    assert not inner.has_unfinished(), "a request is still in the engine"
+    inner.flush_cache()
+    inner.check_integrity()
+    assert inner.page_pool.num_allocated == 0 and inner.state_pool.num_allocated == 0
+
+
+def test_requests_running_at_shutdown_end_with_a_503_or_an_error_event(tiny_model, caplog):
+    results, engine = stop_mid_requests(tiny_model, caplog, signals=1, stop_after=0.3, grace=5)
+    assert_answered(results, "the engine was shut down", caplog)
+    assert_nothing_leaked(engine)
+
+
+@pytest.mark.parametrize("signals, grace", [(2, 5), (1, 0.3)],
+                         ids=["second Ctrl-C", "uvicorn's grace period runs out"])
+def test_requests_cancelled_by_the_server_end_with_a_503_or_an_error_event(
+        tiny_model, caplog, signals, grace):
+    """uvicorn cancels the request tasks (a plain-text 500 and an `Exception in ASGI
+    application` traceback before LastResort); the engine is not stopped first."""
+    results, engine = stop_mid_requests(tiny_model, caplog, signals=signals, stop_after=30,
+                                        grace=grace)
+    assert_answered(results, CANCELLED_MESSAGE, caplog)
+    assert_nothing_leaked(engine)

@@ -4,9 +4,9 @@ Every error answers with the OpenAI error object {"error": {"message", "type", "
 "code"}}: bad requests (validation, malformed JSON, context limit, sampling parameters, a Host
 not allowed) with 400, a missing or wrong API key with 401, a cross-site POST with 403, unknown
 routes with 404, a method the route does not take with 405 (and Allow), a body over the cap
-with 413, a shut-down engine with 503, anything unexpected with 500 (the server keeps
-serving). The schema is served at /openapi.json (and /docs); see openapi.py, security.py and
-limits.py.
+with 413, a shut-down engine or a request cancelled by the server's shutdown with 503,
+anything unexpected with 500 (the server keeps serving). The schema is served at
+/openapi.json (and /docs); see openapi.py, security.py, limits.py and shutdown.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deltaserve.server.async_engine import AsyncEngine, EngineDeadError
 from deltaserve.server.errors import error_response
@@ -41,6 +40,7 @@ from deltaserve.server.responses import (
 )
 from deltaserve.server.security import Guard, ServerOptions
 from deltaserve.server.serving import ClientGone, OpenAIServing
+from deltaserve.server.shutdown import LastResort
 
 logger = logging.getLogger("deltaserve.server")
 
@@ -100,35 +100,6 @@ def _validation_error(exc: RequestValidationError,
             return f"{param}: expected one of {expected}; got {got}", param
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return f"{param or 'body'}: {first.get('msg')}{more}", param
-
-
-class InternalErrors:
-    """ASGI middleware: an unhandled exception becomes a 500 OpenAI error, logged once."""
-
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def send_tracking(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_tracking)
-        except Exception as e:
-            logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
-            self.metrics.errors.labels(status="500").inc()
-            if started:  # nothing sane to add to a response already under way
-                return
-            response = error_response(500, f"internal server error: {type(e).__name__}: {e}",
-                                      type="server_error")
-            await response(scope, receive, send)
 
 
 def _allowed_methods(request: Request) -> str:
@@ -194,10 +165,11 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None) -> Fast
     metrics = ServerMetrics()
     serving = OpenAIServing(engine, metrics)
     app.state.engine, app.state.metrics = engine, metrics
-    # outermost last: Guard (reads no body) -> BodyLimit (413) -> InternalErrors -> routes
-    app.add_middleware(InternalErrors, metrics=metrics)
+    # outermost last: LastResort (500, shutdown's 503) -> Guard (reads no body) -> BodyLimit
+    # (413) -> routes
     app.add_middleware(BodyLimit, max_bytes=options.max_request_bytes)
     app.add_middleware(Guard, options=options)
+    app.add_middleware(LastResort, metrics=metrics)
     _install_error_handlers(app, metrics)
 
     @app.post("/v1/completions", response_model=None,

@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import socket
 import sys
-import threading
 from collections.abc import Sequence
 
 from deltaserve.config import SPECULATIVE_ALGORITHMS, SPECULATIVE_POLICIES, EngineConfig
@@ -84,10 +83,6 @@ def _value_type(annotation: str) -> type:
         if name in annotation.replace(" ", "").split("|"):
             return kind
     return str
-
-
-SHUTDOWN_GRACE_S = 5  # seconds uvicorn waits for open connections after Ctrl-C
-ENGINE_STOP_S = SHUTDOWN_GRACE_S - 1  # then requests still running end with an error
 
 
 def _port(text: str) -> int:
@@ -300,32 +295,12 @@ def _check_listen(host: str, port: int) -> None:
         raise ValueError(f"--host / --port: cannot listen on {host}:{port}: {e}") from e
 
 
-def graceful_server(config, engine, stop_after: float = ENGINE_STOP_S):
-    """A uvicorn.Server for `config` that, on the first exit signal (Ctrl-C, SIGTERM), gives
-    requests `stop_after` seconds to finish and then stops `engine` (an AsyncEngine). Each
-    request still running then ends as an answer (503 JSON, or an error event and [DONE] in a
-    stream) before uvicorn's grace period runs out; uvicorn would instead cancel its task (a
-    plain-text 500 and a logged traceback)."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        stop_timer: threading.Timer | None = None
-
-        def handle_exit(self, sig, frame) -> None:
-            if self.stop_timer is None:
-                self.stop_timer = threading.Timer(stop_after, engine.shutdown)
-                self.stop_timer.daemon = True
-                self.stop_timer.start()
-            super().handle_exit(sig, frame)
-
-    return Server(config)
-
-
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from deltaserve.server.api import build_app
     from deltaserve.server.async_engine import AsyncEngine
+    from deltaserve.server.shutdown import SHUTDOWN_GRACE_S, graceful_server
 
     # bad values and the port before minutes of loading; the no-key warning only for a
     # server that can listen

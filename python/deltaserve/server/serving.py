@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from deltaserve.config import valid_seed
 from deltaserve.core import SamplingParams
 from deltaserve.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from deltaserve.server.errors import error_object
 from deltaserve.server.limits import chars_per_token_bound, reaches_token_limit
 from deltaserve.server.protocol import (
     ChatCompletionRequest,
@@ -295,8 +296,7 @@ class OpenAIServing:
                     logger.exception("request %s failed mid-stream", rid)
                 self.metrics.errors.labels(status="503" if stopped else "500").inc()
                 message = str(e) if stopped else f"internal error: {e}"
-                yield sse({"error": {"message": message, "type": "server_error",
-                                     "param": None, "code": None}})
+                yield sse(error_object(message, "server_error"))
             finally:
                 for s in streams:  # no-op once finished; frees pages/slots if the client left
                     s.abort()
