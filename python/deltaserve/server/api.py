@@ -12,7 +12,6 @@ anything unexpected with 500 (the server keeps serving). The schema is served at
 from __future__ import annotations
 
 import logging
-import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from deltaserve.server.async_engine import AsyncEngine, EngineDeadError
+from deltaserve.server.body_errors import body_parse_message, validation_message
 from deltaserve.server.errors import error_response
 from deltaserve.server.limits import BodyLimit
 from deltaserve.server.metrics import ServerMetrics
@@ -43,64 +43,6 @@ from deltaserve.server.serving import ClientGone, OpenAIServing
 from deltaserve.server.shutdown import LastResort
 
 logger = logging.getLogger("deltaserve.server")
-
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none)$|[\[\-]")
-
-
-def _json_kind(value: object) -> str:
-    """How a JSON value (or a body that was not JSON) reads in an error message."""
-    if value is None:
-        return "null"
-    if isinstance(value, (bytes, bytearray)):
-        return "a body that is not JSON"
-    for kind, name in ((bool, "a boolean"), (int, "a number"), (float, "a number"),
-                       (str, "a string"), (list, "an array"), (dict, "an object")):
-        if isinstance(value, kind):
-            return name
-    return type(value).__name__
-
-
-def _param_and_tag(error: dict) -> tuple[str | None, str | None]:
-    """(dotted param path, the first union type tag in its location, if any)."""
-    path = []
-    for part in (str(p) for p in error.get("loc", ()) if p != "body"):
-        if _TYPE_TAG.search(part):
-            return ".".join(path) or None, part
-        path.append(part)
-    return ".".join(path) or None, None
-
-
-def _validation_error(exc: RequestValidationError,
-                      content_type: str = "application/json") -> tuple[str, str | None]:
-    """(message, param) for the first pydantic error; the param path skips union type tags.
-    A value no member of a union accepts is one message naming the members and what came; a
-    body that is not a JSON object names its Content-Type when that is not JSON."""
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"Malformed JSON in the request body: {first.get('msg')}", None
-    param, tag = _param_and_tag(first)
-    if param is None and first.get("type") == "missing":
-        return "the request body is missing or not a JSON object", None
-    if param is None and tuple(first.get("loc", ())) == ("body",):
-        if content_type.split(";")[0].strip().lower() != "application/json":
-            return ("the request body must be a JSON object sent as Content-Type: "
-                    f"application/json, not {content_type or 'no Content-Type'}"), None
-        return ("the request body must be a JSON object, not "
-                f"{_json_kind(first.get('input'))}"), None
-    if tag is not None:
-        tags = [t for p, t in map(_param_and_tag, errors) if p == param and t is not None]
-        if len(tags) == len(errors) and len(tags) > 1:
-            expected = ", ".join(dict.fromkeys(tags))
-            got = _json_kind(first.get("input"))
-            if isinstance(first.get("input"), list):
-                got += " whose items fit none of them"
-            return f"{param}: expected one of {expected}; got {got}", param
-    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    return f"{param or 'body'}: {first.get('msg')}{more}", param
-
 
 def _allowed_methods(request: Request) -> str:
     """The methods the app's routes take on the request's path, comma-separated. Starlette's
@@ -127,7 +69,7 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_error(exc, request.headers.get("content-type", ""))
+        message, param = validation_message(exc, request.headers.get("content-type", ""))
         logger.info("%s %s -> 400: %s", request.method, request.url.path, message)
         return counted(error_response(400, message, param=param))
 
@@ -135,9 +77,8 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
             message = f"Invalid URL ({request.method} {request.url.path})"
-        elif isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's body parse, re-raised
-            message = (f"the request body is not valid UTF-8 (byte {exc.__cause__.start}): "
-                       "send JSON encoded as UTF-8")
+        elif exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's body parse
+            message = body_parse_message(exc.__cause__)
         else:
             message = str(exc.detail)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
