@@ -76,6 +76,11 @@ class EngineConfig:
             self.speculative_num_steps = DEFAULT_SPECULATIVE_STEPS
         self.decode_rows_per_req = self.speculative_num_steps + 1
 
+    def kv_pool_hint(self) -> str:
+        """What enlarges the KV page pool, as the user sized it (for error messages)."""
+        return ("raise --num-pages (num_pages)" if self.num_pages is not None
+                else "raise --kv-memory-gb (kv_memory_gb) or set --num-pages")
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad field (a wrong type first: `chunk_size="big"`
         or `page_size=16.5` used to surface as a TypeError from deep inside)."""

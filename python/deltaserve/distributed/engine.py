@@ -249,15 +249,14 @@ class TPEngine(LLMEngine):
 
 def check_split(cfg: EngineConfig) -> None:
     """Raise ValueError when the checkpoint's heads or intermediate sizes do not split over
-    cfg.tensor_parallel_size ranks (read from config.json alone)."""
-    from deltaserve.model.config import ModelConfig
+    cfg.tensor_parallel_size ranks, or engine/preflight.py refuses the config (read from
+    config.json alone)."""
+    from deltaserve.engine.preflight import check_before_load, model_config
 
-    path = cfg.model
-    if path is None:
-        from deltaserve.default_model import default_model_path
-
-        path = default_model_path()
-    local_config(ModelConfig.from_pretrained(path), cfg.tensor_parallel_size, 0)
+    mc = model_config(cfg)
+    local_config(mc, cfg.tensor_parallel_size, 0)
+    cfg.resolve_speculation()
+    check_before_load(cfg, mc, *resolve_device_dtype(cfg))
 
 
 class TPSpec:

@@ -34,12 +34,6 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
 
-    @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * elem
-
 
 @dataclass
 class PagedMetadata:

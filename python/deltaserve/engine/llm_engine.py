@@ -20,10 +20,12 @@ from deltaserve.engine.healing import TokenHealer, healing_rows, mask_first_toke
 from deltaserve.engine.logprobs import TokenLogprob, step_logprobs
 from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.overlap import OverlapScheduler
+from deltaserve.engine.preflight import check_before_load, resolve_device_dtype
 from deltaserve.engine.requests import new_req
 from deltaserve.engine.sampling import SamplingRow, sample_rows
 from deltaserve.engine.spec_protocol import load_spec_runtime
 from deltaserve.engine.status import cache_status, check_integrity, engine_metrics, log_step
+from deltaserve.model.config import ModelConfig
 from deltaserve.ops._ext import KERNEL_HEAD_DIMS
 from deltaserve.scheduler.scheduler import Scheduler
 from deltaserve.spec.policy import build_policy
@@ -44,21 +46,6 @@ class RequestOutput:
     completion_tokens: int
     cached_tokens: int
     new_logprobs: list[TokenLogprob] | None = None  # one per new token (params.logprobs set)
-
-
-def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    device = cfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device} was asked for but no CUDA device is available; "
-                         "use --device cpu")
-    if cfg.dtype == "auto":
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    else:
-        dtype = getattr(torch, cfg.dtype)
-    return dev, dtype
 
 
 def load_tokenizer(path: str):
@@ -103,6 +90,9 @@ class LLMEngine:
         self.model_name = cfg.model or "deltaserve-default"
         self.device, self.dtype = resolve_device_dtype(cfg)
         torch.manual_seed(cfg.seed)
+        # the context and the caches, from config.json and the flags, before the weights load
+        self.max_model_len = check_before_load(cfg, ModelConfig.from_pretrained(path),
+                                               self.device, self.dtype)
         self.model = self._load_model(path)
         self.tokenizer = load_tokenizer(path)
         mc = self.model.config
@@ -110,10 +100,6 @@ class LLMEngine:
             logger.warning("GDN head_k_dim %d has no compiled kernel (compiled: %s): decode and "
                            "verify run the torch reference, far slower", mc.linear_key_head_dim,
                            KERNEL_HEAD_DIMS)
-        if cfg.max_model_len and cfg.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {mc.max_position_embeddings}")
-        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -135,9 +121,6 @@ class LLMEngine:
                                    on_release=self._release if self.spec else None,
                                    choose_drafts=self.policy.choose if self.policy else None)
         longest = self.scheduler.max_request_len()
-        if longest < 2:  # a one-token prompt and one output token
-            raise ValueError(f"num_pages: the KV page pool cannot hold even a 2-token request "
-                             f"({longest} tokens fit); {self.scheduler.pool_hint()}")
         if longest < self.max_model_len:
             # vLLM refuses to start here; a pool below the context still serves shorter requests
             logger.warning("the longest request the KV page pool can hold is %d tokens, less "

@@ -82,8 +82,7 @@ class Scheduler:
 
     def pool_hint(self) -> str:
         """What enlarges the KV page pool, as the user sized it."""
-        return ("raise --num-pages (num_pages)" if self.cfg.num_pages is not None
-                else "raise --kv-memory-gb (kv_memory_gb) or set --num-pages")
+        return self.cfg.kv_pool_hint()
 
     def check_fits(self, req: Req) -> None:
         """Raise ValueError when `req` could never be admitted, even with an empty cache."""

@@ -137,9 +137,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _as_flag(message: str) -> str:
-    """A config error that opens with a field name ("page_size must be >= 1"), opened with
-    that field's flag instead, as the user typed it ("--page-size must be >= 1")."""
-    head = message.split(" ", 1)[0]
+    """A config error that opens with a field name ("page_size must be >= 1", "num_pages:
+    ..."), opened with that field's flag instead, as the user typed it ("--page-size must be
+    >= 1")."""
+    head = message.split(" ", 1)[0].removesuffix(":")
     for f in dataclasses.fields(EngineConfig):
         if f.name == head and f.name not in _DERIVED:
             return _flag(f.name, f.default) + message[len(head):]
@@ -204,11 +205,16 @@ def _add_log_level(command: argparse.ArgumentParser) -> None:
 
 
 def _make_engine(args: argparse.Namespace):
-    """LLMEngine from the flags; a bad flag or checkpoint exits with one clear line."""
-    from deltaserve.distributed import create_engine
+    """LLMEngine from the flags; a bad flag or checkpoint exits with one clear line, what
+    config.json and the flags alone tell before the engine's modules and the weights load."""
+    from deltaserve.engine.preflight import check_config
 
     try:
-        return create_engine(engine_config(args))
+        cfg = engine_config(args)
+        check_config(cfg)
+        from deltaserve.distributed import create_engine
+
+        return create_engine(cfg)
     except ValueError as e:  # the engine's own checks name config fields too
         raise SystemExit(f"deltaserve: error: {_as_flag(str(e))}") from e
 
