@@ -147,6 +147,10 @@ def _as_flag(message: str) -> str:
     return message
 
 
+EXIT_STATUS = ("exit status: 0 done; 1 an error, in one line 'deltaserve: error: ...' (a flag "
+               "value out of range, the checkpoint, the device, a prompt); 2 a usage error, "
+               "with the usage line (an unknown flag, a value of the wrong type or not among "
+               "a flag's choices, no prompt given); 130 interrupted (Ctrl-C)")
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
                   "top_p": "--top-p", "top_k": "--top-k",
@@ -154,12 +158,14 @@ SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__.split("\n")[0],
+                                     epilog=EXIT_STATUS)
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                         help="logging level (default INFO); also accepted after the command")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="print completions of the prompts (or stdin lines)")
+    gen = sub.add_parser("generate", help="print completions of the prompts (or stdin lines)",
+                         epilog=EXIT_STATUS)
     gen.add_argument("prompts", nargs="*", metavar="PROMPT",
                      help="prompts; none: one prompt per line of standard input")
     gen.add_argument("--max-tokens", type=int, default=64,
@@ -181,10 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "(benchmarks)")
     gen.add_argument("--chat", action="store_true",
                      help="wrap each prompt as a user message in the chat template")
+    gen.set_defaults(command_parser=gen)
     add_engine_flags(gen)
     _add_log_level(gen)
 
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                           epilog=EXIT_STATUS)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000,
@@ -223,9 +231,9 @@ def _generate(args: argparse.Namespace) -> int:
     from deltaserve.core import SamplingParams
 
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    if not prompts:
-        print("deltaserve: error: no prompts given", file=sys.stderr)
-        return 2
+    if not prompts:  # as a missing required argument: the usage line, exit status 2
+        args.command_parser.error("no prompts given: pass PROMPT arguments or one prompt per "
+                                  "line on standard input")
     for n, p in enumerate(prompts):  # before minutes of model loading
         if not p:
             raise SystemExit(f"deltaserve: error: prompt {n} is empty")
@@ -256,8 +264,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _run_generate(engine, args: argparse.Namespace, prompts: list[str], params) -> int:
     tok = engine.tokenizer
     if tok is None:
-        print("deltaserve: error: the model has no tokenizer", file=sys.stderr)
-        return 2
+        raise SystemExit("deltaserve: error: the model has no tokenizer (tokenizer.json or "
+                         "tokenizer_config.json in the checkpoint folder)")
     if args.chat:
         texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                          add_generation_prompt=True) for p in prompts]

@@ -1,0 +1,87 @@
+"""The `deltaserve` command's exit statuses (0 done, 1 an error in one line, 2 a usage error
+with the usage line, 130 interrupted), and the pool flags it refuses before the engine and
+the weights load."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from deltaserve.server.cli import build_parser, main
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Fail the test if the engine is built (its modules and the weights loaded)."""
+    import deltaserve.distributed as distributed
+
+    def create_engine(cfg):
+        raise AssertionError("the engine was built before the flags were checked")
+
+    monkeypatch.setattr(distributed, "create_engine", create_engine)
+
+
+def test_no_prompt_is_a_usage_error_with_the_usage_line_and_status_2(monkeypatch, capsys,
+                                                                     no_engine):
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n  \n"))
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--device", "cpu"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: deltaserve generate")
+    assert err.rstrip().endswith("deltaserve generate: error: no prompts given: pass PROMPT "
+                                 "arguments or one prompt per line on standard input")
+
+
+def test_a_model_without_a_tokenizer_is_an_error_with_status_1(tmp_path):
+    from deltaserve.model.testing import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0)
+    with pytest.raises(SystemExit) as e:
+        main(["--log-level", "WARNING", "generate", "--model", str(path), "--device", "cpu",
+              "hi"])
+    assert e.value.code == ("deltaserve: error: the model has no tokenizer (tokenizer.json or "
+                            "tokenizer_config.json in the checkpoint folder)")  # status 1
+
+
+def test_every_help_names_the_exit_statuses(capsys):
+    for argv in ([], ["generate"], ["serve"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*argv, "--help"])
+        help_text = " ".join(capsys.readouterr().out.split())
+        assert "exit status: 0 done; 1 an error" in help_text
+        assert "2 a usage error, with the usage line" in help_text
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--num-pages", "100000000000"], "the caches do not fit in memory: they alone need"),
+    (["--max-running-reqs", "1000000000"], "1 + 2 x --max-running-reqs 1000000000"),
+    (["--host-snapshot-slots", "10000000000"], "10000000000 host snapshot slots"),
+    (["--page-size", "100000000000"], "2 KV pages of 100000000000 tokens"),
+    (["--num-pages", "2", "--page-size", "1"],
+     "--num-pages: the KV page pool cannot hold even a 2-token request (1 tokens fit)"),
+    (["--max-model-len", "10000000"], "--max-model-len 10000000 exceeds the model's"),
+])
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_absurd_pool_flags_are_one_line_errors_before_the_engine_loads(tiny_model, command,
+                                                                      argv, says, no_engine):
+    prompt = ["hi"] if command == "generate" else ["--port", "0"]
+    with pytest.raises(SystemExit) as e:
+        main([command, "--model", str(tiny_model), "--device", "cpu", *argv, *prompt])
+    message = str(e.value.code)
+    assert message.startswith("deltaserve: error: ") and "\n" not in message
+    assert says in message
+
+
+def test_the_command_exits_1_with_the_one_line_error_and_loads_no_weight(tiny_model):
+    """As a user runs it: the loader's INFO line ("merged projections") never comes."""
+    done = subprocess.run([sys.executable, "-m", "deltaserve.server.cli", "generate", "--model",
+                           str(tiny_model), "--device", "cpu", "--num-pages", "100000000000",
+                           "hi"], capture_output=True, text=True)
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if "deltaserve" in line]
+    assert lines[-1].startswith("deltaserve: error: the caches do not fit in memory")
+    assert "merged projections" not in done.stderr
