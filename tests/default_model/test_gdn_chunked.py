@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from deltaserve.default_model.gdn_chunked import chunk_gated_delta_rule_torch
+from deltaserve.default_model.gdn_chunked import chunk_gated_delta_rule_torch, unit_lower_inverse
 
 # both compute in fp32 (as fla does), so they agree to fp32 rounding.
 # transformers binds fla's kernel at import when fla is installed; the torch original stays
@@ -27,16 +27,19 @@ def _inputs(seq: int, h: int, hv: int, dk: int, dv: int, seed: int) -> list[torc
     return [x.requires_grad_() for x in (q, k, v, g, beta, state)]
 
 
+@pytest.mark.parametrize("solve", ["trsm", "blocked"])
 @pytest.mark.parametrize("seq,chunk", [(1, 64), (64, 64), (150, 64), (100, 32)])
 @pytest.mark.parametrize("h,hv", [(2, 2), (2, 4)])
-def test_outputs_final_state_and_gradients_match_transformers_torch_rule(seq, chunk, h, hv):
+def test_outputs_final_state_and_gradients_match_transformers_torch_rule(seq, chunk, h, hv,
+                                                                           solve):
     dk, dv = 16, 8
     xs = _inputs(seq, h, hv, dk, dv, seed=seq + hv)
     results = []
     for fn in (chunk_gated_delta_rule_torch, ORACLE):
         q, k, v, g, beta, state = xs
+        extra = {"solve": solve} if fn is chunk_gated_delta_rule_torch else {}
         out, final = fn(q, k, v, g, beta, chunk_size=chunk, initial_state=state,
-                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+                        output_final_state=True, use_qk_l2norm_in_kernel=True, **extra)
         grads = torch.autograd.grad((out * out).sum() + final.sum(), xs)
         results.append((out, final, grads))
     (out, final, grads), (ref_out, ref_final, ref_grads) = results
@@ -57,3 +60,16 @@ def test_no_initial_state_is_a_zero_state_and_no_final_state_is_returned_unless_
     ref_out, _ = ORACLE(q, k, v, g, beta)
     # without the L2 norm outputs reach ~5, so the fp32 rounding is larger
     torch.testing.assert_close(out, ref_out.to(out.dtype), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("size", [1, 8, 16, 32, 64, 128])
+def test_unit_lower_inverse_is_the_inverse_and_refuses_sizes_it_cannot_split(size):
+    gen = torch.Generator().manual_seed(size)
+    a = (torch.randn(3, 2, size, size, generator=gen, dtype=torch.float64) * 0.3).tril(-1)
+    want = torch.linalg.inv(torch.eye(size, dtype=a.dtype) + a)
+    torch.testing.assert_close(unit_lower_inverse(a), want, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="power of two"):
+        unit_lower_inverse(torch.zeros(48, 48))
+    with pytest.raises(ValueError, match="solve must be"):
+        chunk_gated_delta_rule_torch(*(x.detach() for x in _inputs(4, 1, 1, 4, 4, 0)[:5]),
+                                     solve="lu")

@@ -34,6 +34,7 @@ def chunk_gated_delta_rule_torch(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
+    solve: str = "trsm",
     **_: object,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule over whole sequences, with transformers' calling convention.
@@ -43,8 +44,13 @@ def chunk_gated_delta_rule_torch(
     initial_state [B, HV, K, V] or None (zeros). Computes in fp32; q is scaled by K^-1/2 (after
     the optional L2 norm of q and k, eps 1e-6). Returns (output [B, T, HV, V] in query's dtype,
     final state [B, HV, K, V] fp32 or None). Matches transformers' torch_chunk_gated_delta_rule
-    (the test oracle) to fp32 rounding; differentiable.
+    (the test oracle) to fp32 rounding; differentiable. `solve` picks how (I + A)^-1 is
+    applied: "trsm" (torch.linalg.solve_triangular, one batched triangular solve) or "blocked"
+    (unit_lower_inverse: matmuls and a 16-step substitution, for GPUs where batched trsm over
+    many small matrices is slow). Raises ValueError for another `solve`.
     """
+    if solve not in ("trsm", "blocked"):
+        raise ValueError(f"solve must be 'trsm' or 'blocked', got {solve!r}")
     out_dtype = query.dtype
     bsz, seq, n_k_heads, dk = key.shape
     n_v_heads, dv = value.shape[-2:]
@@ -74,7 +80,10 @@ def chunk_gated_delta_rule_torch(
     a = (b.unsqueeze(-1) * kk * decay).tril(-1)
     eye = torch.eye(chunk_size, device=q.device, dtype=q.dtype)
     rhs = torch.cat([b.unsqueeze(-1) * v, (b * c.exp()).unsqueeze(-1) * k], dim=-1)
-    uw = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+    if solve == "trsm":
+        uw = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+    else:
+        uw = unit_lower_inverse(a) @ rhs
     u, w = uw.split([dv, dk], dim=-1)
     qk = (q @ k.transpose(-1, -2)) * decay  # [B, HV, N, C, C], zero above the diagonal
     q_decayed = q * c.exp().unsqueeze(-1)
@@ -84,9 +93,49 @@ def chunk_gated_delta_rule_torch(
     state = (initial_state.float() if initial_state is not None
              else q.new_zeros(bsz, n_v_heads, dk, dv))
     outs = []
-    for n in range(n_chunks):
-        d = u[:, :, n] - w[:, :, n] @ state
-        outs.append(q_decayed[:, :, n] @ state + qk[:, :, n] @ d)
-        state = chunk_decay[:, :, n, None, None] * state + k_to_end[:, :, n].transpose(-1, -2) @ d
+    # unbind, not u[:, :, n]: each indexing op's backward writes a gradient the size of the
+    # whole tensor and autograd sums n_chunks of them; unbind's backward stacks them once
+    per_chunk = zip(*(x.unbind(2) for x in (u, w, q_decayed, qk, k_to_end, chunk_decay)))
+    for u_n, w_n, q_n, qk_n, k_n, decay_n in per_chunk:
+        d = u_n - w_n @ state
+        outs.append(q_n @ state + qk_n @ d)
+        state = decay_n[..., None, None] * state + k_n.transpose(-1, -2) @ d
     out = torch.stack(outs, dim=2).reshape(bsz, n_v_heads, -1, dv)[:, :, :seq]
     return out.transpose(1, 2).contiguous().to(out_dtype), (state if output_final_state else None)
+
+
+def unit_lower_inverse(a: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """(I + a)^-1 for strictly lower triangular `a` [..., C, C] (C a power-of-two multiple of
+    `block`, or at most `block`), differentiable.
+
+    Forward substitution inverts the diagonal blocks of size `block` together (`block` - 1
+    steps), then pairs of neighbouring inverses merge by the block rule
+        [[T1, 0], [A21, T2]]^-1 = [[T1^-1, 0], [-T2^-1 A21 T1^-1, T2^-1]]
+    until one block spans C: log2(C / block) levels of two matmuls each. Every product is of
+    inverses of unit triangular blocks, so no entry grows the way the powers of `a` in a
+    Neumann product would (which a TF32 matmul would then round badly).
+    """
+    size = a.shape[-1]
+    nb = max(1, size // block)
+    block = size // nb
+    if nb * block != size or nb & (nb - 1):
+        raise ValueError(f"{size} x {size} does not split into a power of two of {block}-blocks")
+    diag = torch.stack([a[..., i * block:(i + 1) * block, i * block:(i + 1) * block]
+                        for i in range(nb)], dim=-3)  # [..., nb, block, block]
+    eye = torch.eye(block, dtype=a.dtype, device=a.device)
+    rows = [eye[0].expand_as(diag[..., 0, :])]
+    for i in range(1, block):  # row i of T = e_i - a[i, :i] T[:i]
+        prev = torch.stack(rows, dim=-2)  # [..., nb, i, block]
+        rows.append(eye[i] - (diag[..., i:i + 1, :i] @ prev).squeeze(-2))
+    inv = list(torch.stack(rows, dim=-2).unbind(-3))  # nb inverses [..., block, block]
+    while len(inv) > 1:
+        w = inv[0].shape[-1]
+        merged = []
+        for j in range(0, len(inv), 2):
+            r0 = (j + 1) * w  # first row of the lower block within `a`
+            a21 = a[..., r0:r0 + w, j * w:r0]
+            t21 = -(inv[j + 1] @ a21 @ inv[j])
+            top = torch.cat([inv[j], torch.zeros_like(inv[j])], dim=-1)
+            merged.append(torch.cat([top, torch.cat([t21, inv[j + 1]], dim=-1)], dim=-2))
+        inv = merged
+    return inv[0]
