@@ -14,12 +14,14 @@ steps x 128 x 1024 tokens of the stdlib split (twice per epoch) and the `extra` 
 permissively licensed packages (extra_corpus.py) when the corpus has one; after 60 steps the
 tokens/s measured over steps 21..60 shrinks the step count to fit --max-minutes (default 8,
 inside the device's 10-minute command limit), so the learning-rate schedule still decays to
-its end.
+its end. --stop-minutes / --resume split a longer run over several device calls (the
+optimiser state stays in OUT/checkpoint.pt on the machine between them).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import sys
@@ -38,9 +40,11 @@ from deltaserve.default_model.hf_reference import torch_gdn_reference
 from deltaserve.default_model.training import (
     TrainModel,
     evaluate,
+    load_checkpoint,
     lr_at,
     make_optimizer,
     mix_streams,
+    save_checkpoint,
     tokenize_split,
     train_batches,
     train_step,
@@ -70,13 +74,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--mtp-steps", type=int, default=3, help="recursive MTP steps trained")
     ap.add_argument("--mtp-weight", type=float, default=0.5, help="x mean MTP step loss")
+    ap.add_argument("--mtp-fraction", type=float, default=1.0,
+                    help="share of each batch's rows the MTP losses train on (0 < f <= 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--eval-tokens", type=int, default=0, help="held-out tokens (0 = all)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--max-minutes", type=float, default=8.0,
                     help="stop the training loop after this long, then evaluate and save")
+    ap.add_argument("--stop-minutes", type=float, default=0.0, metavar="M",
+                    help="after M minutes of training in this process, write OUT/checkpoint.pt "
+                         "and exit with status 3 (the device's 10-minute command limit); rerun "
+                         "the same command with --resume to go on")
+    ap.add_argument("--stop-step", type=int, default=0, metavar="N",
+                    help="the same at step N (tests, reproducible splits)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from OUT/checkpoint.pt (same flags as the run that wrote it)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--gdn-solve", default="trsm", choices=["trsm", "blocked"],
+                    help="how the GDN chunk rule applies (I + A)^-1: one batched triangular "
+                         "solve, or matmuls and a 16-step substitution (gdn_chunked.py)")
     ap.add_argument("--compile", default="none", metavar="BACKEND",
                     help="torch.compile the training forward (and so its backward) with this "
                          "backend: inductor fuses the elementwise work of the torch GDN chunk "
@@ -162,26 +179,37 @@ def main(argv: list[str] | None = None) -> dict:
                   "stdlib_repeat": args.stdlib_repeat, "heldout_tokens": held_ids.numel()}
 
     torch.manual_seed(args.seed)
-    model = TrainModel(default_text_config(**arch_overrides(args.arch))).to(device)
+    model = TrainModel(default_text_config(**arch_overrides(args.arch)),
+                       args.mtp_fraction).to(device)
     counts = model.param_counts()
     print(f"model: {counts['model'] / 1e6:.2f} M params + MTP {counts['mtp'] / 1e6:.2f} M, "
           f"device {device}, autocast {autocast}", flush=True)
     if args.compile != "none":  # the bound method: parameter names (the export) unchanged
         model.forward = torch.compile(model.forward, backend=args.compile)
     opt = make_optimizer(model, args.lr, args.weight_decay)
-    batches = train_batches(train_ids, args.batch_size, args.seq_len, args.seed)
     eval_kw = dict(seq_len=args.seq_len, batch_size=args.batch_size, mtp_steps=args.mtp_steps,
                    autocast_dtype=autocast, max_tokens=args.eval_tokens)
     log = {"args": vars(args), "params": counts, "corpus": manifest, "tokens": log_corpus,
            "train": [], "eval": []}
     tokens_per_step = args.batch_size * args.seq_len
+    ckpt, run_key = out / "checkpoint.pt", run_identity(args, manifest)
+    step, trained_before = 0, 0.0
+    if args.resume:
+        meta = load_checkpoint(ckpt, model, opt, run_key)
+        step, trained_before, log = meta["step"], meta["trained_s"], meta["log"]
+        args.max_steps, args.micro_batches = meta["max_steps"], meta["micro_batches"]
+        log.setdefault("resumed_at", []).append(step)
+        print(f"resumed at step {step} of {args.max_steps} ({trained_before / 60:.1f} min "
+              f"trained)", flush=True)
+    batches = train_batches(train_ids, args.batch_size, args.seq_len, args.seed, skip=step)
 
     with ExitStack() as stack:
         # fla-core 0.6.0's gated backward is refused on Hopper with Triton < 3.7.1 (wrong
         # gradients, fla #640), and on CPU transformers binds fla's Triton kernels anyway
-        stack.enter_context(torch_gdn_reference(chunk_fn=chunk_gated_delta_rule_torch))
+        stack.enter_context(torch_gdn_reference(
+            chunk_fn=functools.partial(chunk_gated_delta_rule_torch, solve=args.gdn_solve)))
         model.train()
-        t_train, step, retry = time.perf_counter(), 0, None
+        t_train, retry, t20 = time.perf_counter(), None, None
         while step < args.max_steps:
             lr = lr_at(step, args.max_steps, args.lr, args.warmup, args.min_lr_ratio)
             if retry is None:
@@ -209,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
             if args.profile_steps and step == PROFILE_AFTER + args.profile_steps:
                 return write_profile(prof, device, out / "profile.txt", args.profile_steps,
                                      args.profile_steps * tokens_per_step, prof_t0)
-            elapsed = time.perf_counter() - t_train
+            elapsed = trained_before + time.perf_counter() - t_train
             if step % args.log_every == 0 or step == args.max_steps:
                 log["train"].append({"step": step, "loss": r.loss, "main": r.main, "mtp": r.mtp,
                                      "grad_norm": r.grad_norm, "lr": lr, "elapsed_s": elapsed})
@@ -219,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
                 t20 = elapsed
                 print(f"throughput {20 * tokens_per_step / elapsed:,.0f} tokens/s (first 20 "
                       f"steps, with warm-up)", flush=True)
-            if step == 60:
+            if step == 60 and t20 is not None:
                 # Shrink the run to the time budget while still in warmup, so the cosine decay
                 # still ends at min_lr (a run cut by the clock alone would end at high lr); the
                 # rate of steps 21..60 excludes start-up costs. The model card records the
@@ -239,13 +267,22 @@ def main(argv: list[str] | None = None) -> dict:
             if elapsed > args.max_minutes * 60:
                 print(f"stopping at step {step}: --max-minutes {args.max_minutes} reached")
                 break
-        train_seconds = time.perf_counter() - t_train
+            if step < args.max_steps and (step == args.stop_step or args.stop_minutes and
+                                          elapsed - trained_before > args.stop_minutes * 60):
+                save_checkpoint(ckpt, model, opt, {
+                    "run": run_key, "step": step, "max_steps": args.max_steps, "log": log,
+                    "micro_batches": args.micro_batches, "trained_s": elapsed})
+                print(f"checkpoint at step {step} of {args.max_steps}: {ckpt}; rerun with "
+                      f"--resume to go on", flush=True)
+                return {"checkpoint": str(ckpt), "step": step}
+        train_seconds = trained_before + time.perf_counter() - t_train
         final = evaluate(model, held_ids, **eval_kw)
     log["eval"].append({"step": step, **final})
     log["final"] = final
     print(f"held-out: loss {final['loss']:.4f} ppl {final['ppl']:.2f} "
           f"mtp {final['mtp_loss']} draft1 agreement {final['draft1_agreement']:.3f}", flush=True)
 
+    ckpt.unlink(missing_ok=True)
     size = save_hf_folder(model, out, args.tokenizer)
     cfg = model.lm.config
     arch = (f"{cfg.num_hidden_layers} layers ({cfg.layer_types.count('linear_attention')} Gated "
@@ -265,5 +302,15 @@ def main(argv: list[str] | None = None) -> dict:
     return final
 
 
+def run_identity(args: argparse.Namespace, manifest: dict) -> dict:
+    """What a checkpoint must share with the run that resumes it: every flag that changes
+    the model, the data order or the schedule, and the corpus digest."""
+    keys = ("arch", "batch_size", "seq_len", "stdlib_repeat", "no_extra", "lr", "min_lr_ratio",
+            "warmup", "weight_decay", "grad_clip", "mtp_steps", "mtp_weight", "mtp_fraction",
+            "seed", "max_minutes")
+    return {**{k: getattr(args, k) for k in keys}, "corpus": manifest["sha256"],
+            "extra": manifest.get("extra", {}).get("sha256")}
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(3 if "checkpoint" in main() else 0)

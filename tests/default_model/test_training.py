@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -95,16 +97,18 @@ def test_the_script_trains_two_steps_and_saves_a_folder_transformers_loads(tmp_p
     assert model.config.hidden_size == 64 and tok.eos_token_id == 0
 
 
-def test_compiled_forward_traces_without_graph_breaks_and_matches_eager():
+@pytest.mark.parametrize("solve", ["trsm", "blocked"])
+def test_compiled_forward_traces_without_graph_breaks_and_matches_eager(solve):
     """--compile: dynamo captures the whole training forward (GDN chunk rule, MTP steps) as
     one graph, and the traced step's losses equal the eager ones (backend "eager": tracing
     only, no code generation, so the test stays fast on a CPU)."""
     import torch._dynamo
 
     torch.manual_seed(0)
-    model = TrainModel(default_text_config(**TINY))
+    model = TrainModel(default_text_config(**TINY), mtp_fraction=0.5)
     batch = torch.randint(0, 8000, (2, 96), generator=torch.Generator().manual_seed(1))
-    with torch_gdn_reference(chunk_fn=chunk_gated_delta_rule_torch), torch.no_grad():
+    chunk_fn = functools.partial(chunk_gated_delta_rule_torch, solve=solve)
+    with torch_gdn_reference(chunk_fn=chunk_fn), torch.no_grad():
         want = model(batch, 3)
         explained = torch._dynamo.explain(model.forward)(batch, 3)
         got = torch.compile(model.forward, backend="eager")(batch, 3)
@@ -123,3 +127,34 @@ def test_profile_steps_write_the_op_table_and_stop(tmp_path):
     assert table.startswith("2 steps profiled") and "aten::mm" in table
     assert got["step_s"] > 0
     assert not (out / "model.safetensors").exists()  # stopped before training ended
+
+
+def test_a_run_stopped_and_resumed_saves_the_weights_of_an_uninterrupted_run(tmp_path):
+    """--stop-step writes a checkpoint and returns; --resume goes on from it (model, AdamW
+    state, schedule, data order) and ends with the same bytes as a run never stopped; a
+    checkpoint of another run is refused."""
+    script, arch = tiny_run(tmp_path)
+    flags = ["--corpus", str(tmp_path / "corpus"), "--max-steps", "4", "--batch-size", "2",
+             "--seq-len", "64", "--warmup", "1", "--eval-tokens", "256", "--eval-every", "3",
+             "--log-every", "1", "--mtp-fraction", "0.5", *arch]
+    script.main(["--out", str(tmp_path / "whole"), *flags])
+    got = script.main(["--out", str(tmp_path / "split"), "--stop-step", "2", *flags])
+    assert got == {"checkpoint": str(tmp_path / "split" / "checkpoint.pt"), "step": 2}
+    assert not (tmp_path / "split" / "model.safetensors").exists()
+    try:
+        script.main(["--out", str(tmp_path / "split"), "--resume", *flags, "--lr", "1e-3"])
+    except ValueError as e:
+        assert "another run's checkpoint" in str(e) and "'lr'" in str(e)
+    else:
+        raise AssertionError("a checkpoint of another learning rate was resumed")
+    script.main(["--out", str(tmp_path / "split"), "--resume", *flags])
+    assert not (tmp_path / "split" / "checkpoint.pt").exists()
+    with safe_open(tmp_path / "whole" / "model.safetensors", "pt") as a, \
+            safe_open(tmp_path / "split" / "model.safetensors", "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for key in a.keys():
+            assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+    logs = [json.loads((tmp_path / d / "train_log.json").read_text()) for d in ("whole", "split")]
+    assert [r["loss"] for r in logs[0]["train"]] == [r["loss"] for r in logs[1]["train"]]
+    assert [r["step"] for r in logs[1]["eval"]] == [3, 4] and logs[1]["resumed_at"] == [2]
+    assert logs[0]["final"] == logs[1]["final"]

@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -40,13 +41,14 @@ def tokenize_split(tokenizer_json: str | os.PathLike, corpus_dir: str, split: st
 
 
 def train_batches(
-    stream: torch.Tensor, batch_size: int, seq_len: int, seed: int
+    stream: torch.Tensor, batch_size: int, seq_len: int, seed: int, skip: int = 0
 ) -> Iterator[torch.Tensor]:
     """Endless [batch_size, seq_len] int64 batches of windows of the token stream.
 
     Each epoch cuts the stream into non-overlapping windows of seq_len tokens, starting at an
     offset (0 in epoch 0, then drawn in [0, seq_len)) so later epochs see other cut points, and
     visits every window once in an order drawn from a generator seeded with (seed, epoch).
+    The first `skip` batches are passed over without being gathered (a resumed run).
     """
     if (stream.numel() - seq_len) // seq_len < batch_size:
         raise ValueError(f"{stream.numel()} tokens are too few for batches of {batch_size} x "
@@ -59,6 +61,9 @@ def train_batches(
         windows = stream[offset : offset + n_windows * seq_len].view(n_windows, seq_len)
         order = torch.randperm(n_windows, generator=gen)
         for i in range(0, n_windows - batch_size + 1, batch_size):
+            if skip:
+                skip -= 1
+                continue
             yield windows[order[i : i + batch_size]].long()
         epoch += 1
 
@@ -74,18 +79,26 @@ def lr_at(step: int, max_steps: int, lr: float, warmup: int, min_ratio: float) -
 class TrainModel(nn.Module):
     """The target model and its MTP head, trained together."""
 
-    def __init__(self, config: Qwen3_5TextConfig):
+    def __init__(self, config: Qwen3_5TextConfig, mtp_fraction: float = 1.0):
         super().__init__()
+        if not 0.0 < mtp_fraction <= 1.0:
+            raise ValueError(f"mtp_fraction must be in (0, 1], got {mtp_fraction}")
+        # the MTP losses train on the batch's first ceil(fraction x B) rows: each MTP step
+        # costs a decoder layer plus the lm_head, so three steps on every row cost about as
+        # much as the whole target model, for a head of 1.9 M parameters
+        self.mtp_fraction = mtp_fraction
         self.lm = Qwen3_5ForCausalLM(config)
         self.mtp = MTPHead(self.lm.config)
         self.mtp.apply(self.lm._init_weights)  # same initialisation as the target's layers
 
     def forward(self, input_ids: torch.Tensor, mtp_steps: int) -> tuple[torch.Tensor, list]:
-        """(next-token loss, [loss of MTP step d for d = 1..mtp_steps]) for [B, T] ids."""
+        """(next-token loss, [loss of MTP step d for d = 1..mtp_steps]) for [B, T] ids; the
+        MTP losses over the first ceil(mtp_fraction x B) rows."""
         hidden = self.lm.model(input_ids=input_ids, use_cache=False).last_hidden_state
         logits = self.lm.lm_head(hidden[:, :-1]).float()
         main = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
-        return main, mtp_losses(self.lm, self.mtp, input_ids, hidden, mtp_steps)
+        rows = math.ceil(self.mtp_fraction * input_ids.shape[0])
+        return main, mtp_losses(self.lm, self.mtp, input_ids[:rows], hidden[:rows], mtp_steps)
 
     def param_counts(self) -> dict[str, int]:
         """Parameters of the target model (tied embedding once) and of the MTP head."""
@@ -219,3 +232,31 @@ def evaluate(
         "draft1_agreement": agree / rows,
         "tokens": n * (seq_len - 1),
     }
+
+
+def save_checkpoint(path: str | os.PathLike, model: TrainModel, opt: torch.optim.Optimizer,
+                    meta: dict) -> None:
+    """Write the model's and optimiser's state and `meta` (step, schedule, log: plain Python
+    values) to `path` atomically (a temporary sibling renamed into place)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "meta": meta}, tmp)
+    tmp.replace(path)
+
+
+def load_checkpoint(path: str | os.PathLike, model: TrainModel, opt: torch.optim.Optimizer,
+                    expect: dict) -> dict:
+    """Restore `model` and `opt` from a `save_checkpoint` file; return its meta.
+
+    Raises FileNotFoundError when there is none, ValueError when the meta's "run" entry
+    differs from `expect` (another architecture, batch, schedule or seed: resuming would
+    silently train a different run).
+    """
+    state = torch.load(path, map_location=next(model.parameters()).device, weights_only=True)
+    meta = state["meta"]
+    if meta["run"] != expect:
+        diff = {k: (meta["run"].get(k), v) for k, v in expect.items() if meta["run"].get(k) != v}
+        raise ValueError(f"{path} is another run's checkpoint (checkpoint, now): {diff}")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    return meta
