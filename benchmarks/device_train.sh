@@ -3,9 +3,10 @@
 #   MODE=probe VARIANTS=$'\n--compile inductor' bash benchmarks/device_train.sh
 #       the step time of training variants (one per line; an empty line is the recipe as
 #       is), each profiled over 3 steps: OUT/probe<i>.log
-#   MODE=train TRAIN_FLAGS="--max-minutes 16 --stop-minutes 8" bash benchmarks/device_train.sh
+#   MODE=train TRAIN_FLAGS="--max-minutes 16 --stop-minutes 8.5" bash benchmarks/device_train.sh
 #       train on build/corpus.tar.xz (carried; made by scripts/pack_corpus.sh), resuming from
-#       /tmp/dm_run/checkpoint.pt when an earlier call on this machine left one (the command
+#       /tmp/dm_run/checkpoint.pt and reusing /tmp/dm_tokens when an earlier call on this
+#       machine left them (the command
 #       exits 3 while a checkpoint remains: run it again). A finished run leaves in OUT
 #       model.safetensors.part-* (16 MiB files come back; join with cat, check sha256) and
 #       dm_meta.tar.gz (config.json, README.md, train_log.json, loss.png, sha256).
@@ -38,7 +39,8 @@ train)
   resume=""; [ -f "$run/checkpoint.pt" ] && resume="--resume"
   t=$SECONDS
   # shellcheck disable=SC2086  # flag lists
-  python3 scripts/train_default_model.py --out "$run" --corpus /tmp/corpus_full $ARCH \
+  python3 scripts/train_default_model.py --out "$run" --corpus /tmp/corpus_full \
+    --token-cache /tmp/dm_tokens $ARCH \
     ${TRAIN_FLAGS:-} $resume > /tmp/train.log 2>&1
   rc=$?
   cat /tmp/train.log >> "$OUT/train.log"

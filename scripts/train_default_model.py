@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default="build/default_model", help="output HF folder")
     ap.add_argument("--corpus", default="build/corpus", help="prepared corpus (made if absent)")
     ap.add_argument("--stdlib", default=None, help="stdlib dir when the corpus must be made")
+    ap.add_argument("--token-cache", default=None, metavar="DIR",
+                    help="keep the encoded splits here and reuse them (a resumed run)")
     ap.add_argument("--tokenizer", default=str(FILES_DIR), help="folder with tokenizer files")
     ap.add_argument("--max-steps", type=int, default=4000)
     ap.add_argument("--batch-size", type=int, default=128)
@@ -166,11 +168,11 @@ def main(argv: list[str] | None = None) -> dict:
     except FileNotFoundError:
         manifest = prepare_corpus(args.corpus, args.stdlib)
     tok_file = Path(args.tokenizer) / "tokenizer.json"
-    stdlib_ids = tokenize_split(tok_file, args.corpus, "train")
-    extra_ids = (tokenize_split(tok_file, args.corpus, "extra")
+    stdlib_ids = tokenize_split(tok_file, args.corpus, "train", args.token_cache)
+    extra_ids = (tokenize_split(tok_file, args.corpus, "extra", args.token_cache)
                  if "extra" in manifest["splits"] and not args.no_extra else None)
     train_ids = mix_streams(stdlib_ids, extra_ids, args.stdlib_repeat)
-    held_ids = tokenize_split(tok_file, args.corpus, "heldout")
+    held_ids = tokenize_split(tok_file, args.corpus, "heldout", args.token_cache)
     n_extra = 0 if extra_ids is None else extra_ids.numel()
     print(f"corpus: {stdlib_ids.numel() / 1e6:.2f} M stdlib x {args.stdlib_repeat} + "
           f"{n_extra / 1e6:.2f} M extra train tokens, {held_ids.numel() / 1e3:.0f} k "

@@ -158,3 +158,28 @@ def test_a_run_stopped_and_resumed_saves_the_weights_of_an_uninterrupted_run(tmp
     assert [r["loss"] for r in logs[0]["train"]] == [r["loss"] for r in logs[1]["train"]]
     assert [r["step"] for r in logs[1]["eval"]] == [3, 4] and logs[1]["resumed_at"] == [2]
     assert logs[0]["final"] == logs[1]["final"]
+
+
+def test_tokenize_split_reuses_its_cache_and_a_changed_shard_misses_it(tmp_path, monkeypatch):
+    from deltaserve.default_model import training
+    from deltaserve.default_model.build import FILES_DIR
+
+    tiny_run(tmp_path)  # its corpus
+    corpus, cache, tok = tmp_path / "corpus", tmp_path / "cache", FILES_DIR / "tokenizer.json"
+    want = training.tokenize_split(tok, str(corpus), "train")
+    assert torch.equal(training.tokenize_split(tok, str(corpus), "train", cache), want)
+    assert len(list(cache.glob("tokens-train-*.pt"))) == 1
+    real = training.Tokenizer
+
+    class Refuse:
+        @staticmethod
+        def from_file(path):
+            raise AssertionError("encoded again despite the cache")
+
+    monkeypatch.setattr(training, "Tokenizer", Refuse)
+    assert torch.equal(training.tokenize_split(tok, str(corpus), "train", cache), want)
+    monkeypatch.setattr(training, "Tokenizer", real)
+    shard = sorted(corpus.glob("train-*.jsonl"))[0]
+    shard.write_text(shard.read_text().splitlines()[0] + "\n")  # one document left
+    fewer = training.tokenize_split(tok, str(corpus), "train", cache)
+    assert fewer.numel() < want.numel() and len(list(cache.glob("tokens-train-*.pt"))) == 2

@@ -8,6 +8,7 @@ times the mean cross-entropy of `mtp_steps` recursive MTP drafting steps.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Iterator
@@ -25,11 +26,22 @@ from deltaserve.default_model.mtp import MTPHead, greedy_first_draft_agreement, 
 from deltaserve.default_model.tokenizer import EOS_TOKEN
 
 
-def tokenize_split(tokenizer_json: str | os.PathLike, corpus_dir: str, split: str) -> torch.Tensor:
+def tokenize_split(tokenizer_json: str | os.PathLike, corpus_dir: str, split: str,
+                   cache_dir: str | os.PathLike | None = None) -> torch.Tensor:
     """The split's documents encoded and concatenated, each followed by <|endoftext|>.
 
-    Returns a 1-D int32 tensor (token ids), in corpus order.
+    Returns a 1-D int32 tensor (token ids), in corpus order. With `cache_dir`, the ids are
+    kept there in a file named by the SHA-256 of the tokenizer file and of the split's shards,
+    and read back instead of encoding again (a resumed run: minutes on a few cores).
     """
+    cache = None
+    if cache_dir is not None:
+        h = hashlib.sha256(Path(tokenizer_json).read_bytes())
+        for shard in sorted(Path(corpus_dir).glob(f"{split}-*.jsonl")):
+            h.update(shard.name.encode() + shard.read_bytes())
+        cache = Path(cache_dir) / f"tokens-{split}-{h.hexdigest()[:16]}.pt"
+        if cache.exists():
+            return torch.load(cache, weights_only=True)
     tok = Tokenizer.from_file(str(tokenizer_json))
     eos = tok.token_to_id(EOS_TOKEN)
     texts = [doc.text for doc in iter_split(corpus_dir, split)]
@@ -37,7 +49,12 @@ def tokenize_split(tokenizer_json: str | os.PathLike, corpus_dir: str, split: st
     for enc in tok.encode_batch(texts, add_special_tokens=False):
         ids.extend(enc.ids)
         ids.append(eos)
-    return torch.tensor(ids, dtype=torch.int32)
+    out = torch.tensor(ids, dtype=torch.int32)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(out, cache.with_suffix(".tmp"))
+        cache.with_suffix(".tmp").replace(cache)
+    return out
 
 
 def train_batches(
