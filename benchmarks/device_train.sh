@@ -6,8 +6,8 @@
 #   MODE=train TRAIN_FLAGS="--max-minutes 16 --stop-minutes 8.5" bash benchmarks/device_train.sh
 #       train on build/corpus.tar.xz (carried; made by scripts/pack_corpus.sh), resuming from
 #       /tmp/dm_run/checkpoint.pt and reusing /tmp/dm_tokens when an earlier call on this
-#       machine left them (the command
-#       exits 3 while a checkpoint remains: run it again). A finished run leaves in OUT
+#       machine left them (the command exits 3 while a checkpoint remains: run it again
+#       within 30 s, before the idle machine is given back). A finished run leaves in OUT
 #       model.safetensors.part-* (16 MiB files come back; join with cat, check sha256) and
 #       dm_meta.tar.gz (config.json, README.md, train_log.json, loss.png, sha256).
 set -uo pipefail
