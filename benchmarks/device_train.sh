@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device-side runs of the default model's training (issue 33); no extension build needed.
-#   MODE=probe VARIANTS=$'\n--compile inductor' bash benchmarks/device_train.sh
+#   MODE=probe VARIANTS=$'--mtp-fraction 0.25\n--compile inductor' bash benchmarks/device_train.sh
 #       the step time of training variants (one per line; an empty line is the recipe as
 #       is), each profiled over 3 steps: OUT/probe<i>.log
 #   MODE=train TRAIN_FLAGS="--max-minutes 16 --stop-minutes 8.5" bash benchmarks/device_train.sh

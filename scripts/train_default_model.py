@@ -35,8 +35,8 @@ from deltaserve.default_model.build import FILES_DIR
 from deltaserve.default_model.config import default_text_config
 from deltaserve.default_model.corpus import load_manifest, prepare_corpus
 from deltaserve.default_model.export import model_card, plot_losses, save_hf_folder
-from deltaserve.default_model.gdn_chunked import chunk_gated_delta_rule_torch
-from deltaserve.default_model.hf_reference import torch_gdn_reference
+from deltaserve.default_model.gdn_chunked import causal_conv1d_shift, chunk_gated_delta_rule_torch
+from deltaserve.default_model.hf_reference import causal_conv_override, torch_gdn_reference
 from deltaserve.default_model.training import (
     TrainModel,
     evaluate,
@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gdn-solve", default="trsm", choices=["trsm", "blocked"],
                     help="how the GDN chunk rule applies (I + A)^-1: one batched triangular "
                          "solve, or matmuls and a 16-step substitution (gdn_chunked.py)")
+    ap.add_argument("--conv", default="conv1d", choices=["conv1d", "shift"],
+                    help="the GDN layers' causal convolution: transformers' depthwise F.conv1d, "
+                         "or W shifted multiply-adds that torch.compile fuses")
     ap.add_argument("--compile", default="none", metavar="BACKEND",
                     help="torch.compile the training forward (and so its backward) with this "
                          "backend: inductor fuses the elementwise work of the torch GDN chunk "
@@ -210,6 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
         # gradients, fla #640), and on CPU transformers binds fla's Triton kernels anyway
         stack.enter_context(torch_gdn_reference(
             chunk_fn=functools.partial(chunk_gated_delta_rule_torch, solve=args.gdn_solve)))
+        if args.conv == "shift":
+            stack.enter_context(causal_conv_override(causal_conv1d_shift, model))
         model.train()
         t_train, retry, t20 = time.perf_counter(), None, None
         while step < args.max_steps:

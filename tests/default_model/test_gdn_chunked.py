@@ -6,7 +6,11 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from deltaserve.default_model.gdn_chunked import chunk_gated_delta_rule_torch, unit_lower_inverse
+from deltaserve.default_model.gdn_chunked import (
+    causal_conv1d_shift,
+    chunk_gated_delta_rule_torch,
+    unit_lower_inverse,
+)
 
 # both compute in fp32 (as fla does), so they agree to fp32 rounding.
 # transformers binds fla's kernel at import when fla is installed; the torch original stays
@@ -73,3 +77,49 @@ def test_unit_lower_inverse_is_the_inverse_and_refuses_sizes_it_cannot_split(siz
     with pytest.raises(ValueError, match="solve must be"):
         chunk_gated_delta_rule_torch(*(x.detach() for x in _inputs(4, 1, 1, 4, 4, 0)[:5]),
                                      solve="lu")
+
+
+@pytest.mark.parametrize("bias,activation", [(False, "silu"), (True, None)])
+def test_causal_conv1d_shift_matches_the_depthwise_conv_fallback_with_gradients(bias, activation):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 6, 11, generator=gen, requires_grad=True)
+    w = torch.randn(6, 4, generator=gen, requires_grad=True)
+    b = torch.randn(6, generator=gen, requires_grad=True) if bias else None
+    fallback = getattr(modeling_qwen3_5.causal_conv1d_fn, "__wrapped__",
+                       modeling_qwen3_5.causal_conv1d_fn)
+    outs = [fn(x, w, b, activation=activation) for fn in (causal_conv1d_shift, fallback)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    params = [p for p in (x, w, b) if p is not None]
+    grads = [torch.autograd.grad(o.square().sum(), params) for o in outs]
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="activation"):
+        causal_conv1d_shift(x, w, activation="gelu")
+
+
+def test_causal_conv_override_reaches_the_layers_and_is_undone():
+    from deltaserve.default_model.config import default_text_config
+    from deltaserve.default_model.hf_reference import causal_conv_override, torch_gdn_reference
+
+    tiny = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16, "linear_value_head_dim": 16}
+    torch.manual_seed(0)
+    model = modeling_qwen3_5.Qwen3_5ForCausalLM(default_text_config(**tiny)).eval()
+    ids = torch.randint(0, 8000, (1, 20))
+    calls = []
+
+    def counting(x, weight, bias=None, activation=None, **kw):
+        calls.append(x.shape)
+        return causal_conv1d_shift(x, weight, bias, activation)
+
+    before = modeling_qwen3_5.causal_conv1d_fn
+    with torch.no_grad(), torch_gdn_reference():
+        want = model(ids).logits
+        with causal_conv_override(counting, model):
+            got = model(ids).logits
+        again = model(ids).logits
+    assert len(calls) == 3  # the three GDN layers of four
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert modeling_qwen3_5.causal_conv1d_fn is before and torch.equal(again, want)

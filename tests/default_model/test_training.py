@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,8 @@ from safetensors import safe_open
 
 from deltaserve.default_model.config import default_text_config
 from deltaserve.default_model.corpus import default_stdlib_dir, prepare_corpus
-from deltaserve.default_model.gdn_chunked import chunk_gated_delta_rule_torch
-from deltaserve.default_model.hf_reference import torch_gdn_reference
+from deltaserve.default_model.gdn_chunked import causal_conv1d_shift, chunk_gated_delta_rule_torch
+from deltaserve.default_model.hf_reference import causal_conv_override, torch_gdn_reference
 from deltaserve.default_model.training import (
     TrainModel,
     lr_at,
@@ -97,8 +98,8 @@ def test_the_script_trains_two_steps_and_saves_a_folder_transformers_loads(tmp_p
     assert model.config.hidden_size == 64 and tok.eos_token_id == 0
 
 
-@pytest.mark.parametrize("solve", ["trsm", "blocked"])
-def test_compiled_forward_traces_without_graph_breaks_and_matches_eager(solve):
+@pytest.mark.parametrize("solve,conv", [("trsm", "conv1d"), ("blocked", "shift")])
+def test_compiled_forward_traces_without_graph_breaks_and_matches_eager(solve, conv):
     """--compile: dynamo captures the whole training forward (GDN chunk rule, MTP steps) as
     one graph, and the traced step's losses equal the eager ones (backend "eager": tracing
     only, no code generation, so the test stays fast on a CPU)."""
@@ -108,7 +109,10 @@ def test_compiled_forward_traces_without_graph_breaks_and_matches_eager(solve):
     model = TrainModel(default_text_config(**TINY), mtp_fraction=0.5)
     batch = torch.randint(0, 8000, (2, 96), generator=torch.Generator().manual_seed(1))
     chunk_fn = functools.partial(chunk_gated_delta_rule_torch, solve=solve)
-    with torch_gdn_reference(chunk_fn=chunk_fn), torch.no_grad():
+    with ExitStack() as stack, torch.no_grad():
+        stack.enter_context(torch_gdn_reference(chunk_fn=chunk_fn))
+        if conv == "shift":
+            stack.enter_context(causal_conv_override(causal_conv1d_shift, model))
         want = model(batch, 3)
         explained = torch._dynamo.explain(model.forward)(batch, 3)
         got = torch.compile(model.forward, backend="eager")(batch, 3)

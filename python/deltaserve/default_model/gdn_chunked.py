@@ -139,3 +139,28 @@ def unit_lower_inverse(a: torch.Tensor, block: int = 16) -> torch.Tensor:
             merged.append(torch.cat([top, torch.cat([t21, inv[j + 1]], dim=-1)], dim=-2))
         inv = merged
     return inv[0]
+
+
+def causal_conv1d_shift(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        activation: str | None = None, **_: object) -> torch.Tensor:
+    """Depthwise causal convolution as W shifted multiply-adds, in fp32, cast back to x's
+    dtype: out[b, c, t] = act(bias[c] + sum_j weight[c, j] x[b, c, t - W + 1 + j]) with x zero
+    before t = 0. x [B, C, T], weight [C, W]; activation None, "silu" or "swish".
+
+    The same values as transformers' `F.conv1d` fallback, in elementwise ops that
+    torch.compile fuses into one kernel with its backward (cuDNN's depthwise backward is a
+    suspect of the training step's time). Raises ValueError for another activation.
+    """
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    width, seq = weight.shape[-1], x.shape[-1]
+    xp = F.pad(x.float(), (width - 1, 0))
+    w = weight.float()
+    out = xp[..., :seq] * w[:, :1]
+    for j in range(1, width):
+        out = out + xp[..., j:j + seq] * w[:, j:j + 1]
+    if bias is not None:
+        out = out + bias.float()[:, None]
+    if activation is not None:
+        out = F.silu(out)
+    return out.to(x.dtype)

@@ -53,3 +53,34 @@ def torch_gdn_reference(chunk_fn: Callable | None = None) -> Iterator[None]:
     finally:
         for mod, fn_name, bound in reversed(saved):
             setattr(mod, fn_name, bound)
+
+
+@contextmanager
+def causal_conv_override(conv_fn: Callable, model: object | None = None) -> Iterator[None]:
+    """Within the block, transformers' GDN layers run `conv_fn(x, weight, bias, activation)`
+    (x [B, C, T], weight [C, W]; the signature of causal-conv1d's `causal_conv1d_fn`) for
+    their whole-sequence causal convolutions instead of a depthwise `F.conv1d`.
+
+    Newer transformers call the modeling module's global `causal_conv1d_fn`; older ones the
+    `causal_conv1d_fn` attribute each GDN layer set at construction (None: `F.conv1d`), so
+    the attributes of `model`'s modules that have one are replaced too. Both are restored on
+    exit (also on error).
+    """
+    saved: list[tuple[object, str, object]] = []
+    try:
+        for mod_name in _MODULES:
+            try:
+                mod = importlib.import_module(mod_name)
+            except ImportError:
+                continue
+            if hasattr(mod, "causal_conv1d_fn"):
+                saved.append((mod, "causal_conv1d_fn", mod.causal_conv1d_fn))
+                mod.causal_conv1d_fn = conv_fn
+        for module in (model.modules() if model is not None else ()):
+            if "causal_conv1d_fn" in vars(module):
+                saved.append((module, "causal_conv1d_fn", module.causal_conv1d_fn))
+                module.causal_conv1d_fn = conv_fn
+        yield
+    finally:
+        for obj, name, old in reversed(saved):
+            setattr(obj, name, old)
