@@ -26,6 +26,16 @@ _MODULES = (
 _FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
 
 
+def _modeling_modules() -> Iterator[object]:
+    """The modules of `_MODULES` this transformers has."""
+    for mod_name in _MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        yield mod
+
+
 @contextmanager
 def torch_gdn_reference(chunk_fn: Callable | None = None) -> Iterator[None]:
     """Within the block, transformers' GDN layers use their pure-torch recurrence, or
@@ -36,11 +46,7 @@ def torch_gdn_reference(chunk_fn: Callable | None = None) -> Iterator[None]:
     """
     saved: list[tuple[object, str, object]] = []
     try:
-        for mod_name in _MODULES:
-            try:
-                mod = importlib.import_module(mod_name)
-            except ImportError:
-                continue
+        for mod in _modeling_modules():
             for fn_name in _FUNCTIONS:
                 bound = getattr(mod, fn_name, None)
                 original = getattr(bound, "__wrapped__", None)
@@ -68,11 +74,7 @@ def causal_conv_override(conv_fn: Callable, model: object | None = None) -> Iter
     """
     saved: list[tuple[object, str, object]] = []
     try:
-        for mod_name in _MODULES:
-            try:
-                mod = importlib.import_module(mod_name)
-            except ImportError:
-                continue
+        for mod in _modeling_modules():
             if hasattr(mod, "causal_conv1d_fn"):
                 saved.append((mod, "causal_conv1d_fn", mod.causal_conv1d_fn))
                 mod.causal_conv1d_fn = conv_fn
