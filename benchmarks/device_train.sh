@@ -3,7 +3,7 @@
 #   MODE=probe VARIANTS=$'--mtp-fraction 0.25\n--compile inductor' bash benchmarks/device_train.sh
 #       the step time of training variants (one per line; an empty line is the recipe as
 #       is), each profiled over 3 steps: OUT/probe<i>.log
-#   MODE=train TRAIN_FLAGS="--max-minutes 16 --stop-minutes 8.5" bash benchmarks/device_train.sh
+#   MODE=train TRAIN_FLAGS="--max-minutes 15.5 --stop-minutes 8" bash benchmarks/device_train.sh
 #       train on build/corpus.tar.xz (carried; made by scripts/pack_corpus.sh), resuming from
 #       /tmp/dm_run/checkpoint.pt and reusing /tmp/dm_tokens when an earlier call on this
 #       machine left them (the command exits 3 while a checkpoint remains: run it again

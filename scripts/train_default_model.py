@@ -83,7 +83,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-tokens", type=int, default=0, help="held-out tokens (0 = all)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--max-minutes", type=float, default=8.0,
-                    help="stop the training loop after this long, then evaluate and save")
+                    help="the training time the step count is fitted to (at step 60); the "
+                         "loop also stops after this long, then evaluates and saves, except "
+                         "in a resumed run, whose own start-up (a recompile) the fit did not "
+                         "see: --stop-minutes bounds each call there")
     ap.add_argument("--stop-minutes", type=float, default=0.0, metavar="M",
                     help="after M minutes of training in this process, write OUT/checkpoint.pt "
                          "and exit with status 3 (the device's 10-minute command limit); rerun "
@@ -271,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
                 log["eval"].append({"step": step, **evaluate(model, held_ids, **eval_kw)})
                 print(f"eval step {step}: {log['eval'][-1]}", flush=True)
                 (out / "train_log.json").write_text(json.dumps(log, indent=1))
-            if elapsed > args.max_minutes * 60:
+            if not args.resume and elapsed > args.max_minutes * 60:
                 print(f"stopping at step {step}: --max-minutes {args.max_minutes} reached")
                 break
             if step < args.max_steps and (step == args.stop_step or args.stop_minutes and
