@@ -123,3 +123,13 @@ def test_causal_conv_override_reaches_the_layers_and_is_undone():
     assert len(calls) == 3  # the three GDN layers of four
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert modeling_qwen3_5.causal_conv1d_fn is before and torch.equal(again, want)
+
+
+def test_unit_lower_inverse_gradient_is_that_of_the_inverse():
+    gen = torch.Generator().manual_seed(5)
+    a = (torch.randn(2, 32, 32, generator=gen, dtype=torch.float64) * 0.2).tril(-1)
+    a.requires_grad_()
+    g = torch.randn(2, 32, 32, generator=gen, dtype=torch.float64)
+    (got,) = torch.autograd.grad((unit_lower_inverse(a) * g).sum(), a)
+    (want,) = torch.autograd.grad((torch.linalg.inv(torch.eye(32, dtype=a.dtype) + a) * g).sum(), a)
+    torch.testing.assert_close(got, want.tril(-1), rtol=1e-10, atol=1e-10)

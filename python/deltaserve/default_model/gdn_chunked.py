@@ -105,21 +105,46 @@ def chunk_gated_delta_rule_torch(
 
 
 def unit_lower_inverse(a: torch.Tensor, block: int = 16) -> torch.Tensor:
-    """(I + a)^-1 for strictly lower triangular `a` [..., C, C] (C a power-of-two multiple of
-    `block`, or at most `block`), differentiable.
+    """T = (I + a)^-1 for strictly lower triangular `a` [..., C, C] (C a power-of-two multiple
+    of `block`, or at most `block`), differentiable.
 
     Forward substitution inverts the diagonal blocks of size `block` together (`block` - 1
     steps), then pairs of neighbouring inverses merge by the block rule
         [[T1, 0], [A21, T2]]^-1 = [[T1^-1, 0], [-T2^-1 A21 T1^-1, T2^-1]]
     until one block spans C: log2(C / block) levels of two matmuls each. Every product is of
     inverses of unit triangular blocks, so no entry grows the way the powers of `a` in a
-    Neumann product would (which a TF32 matmul would then round badly).
+    Neumann product would (which a TF32 matmul would then round badly). The backward keeps
+    only T: dL/da = -(T^T (dL/dT) T^T) below the diagonal (from dT = -T da T), not the
+    substitution's intermediate rows. Raises ValueError for a C it cannot split.
     """
+    _check_split(a.shape[-1], block)
+    return _UnitLowerInverse.apply(a, block)
+
+
+class _UnitLowerInverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, block: int) -> torch.Tensor:
+        t = _unit_lower_inverse(a, block)
+        ctx.save_for_backward(t)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (t,) = ctx.saved_tensors
+        tt = t.transpose(-1, -2)
+        return -(tt @ grad @ tt).tril(-1), None
+
+
+def _check_split(size: int, block: int) -> None:
+    nb = max(1, size // block)
+    if nb * (size // nb) != size or nb & (nb - 1):
+        raise ValueError(f"{size} x {size} does not split into a power of two of {block}-blocks")
+
+
+def _unit_lower_inverse(a: torch.Tensor, block: int) -> torch.Tensor:
     size = a.shape[-1]
     nb = max(1, size // block)
     block = size // nb
-    if nb * block != size or nb & (nb - 1):
-        raise ValueError(f"{size} x {size} does not split into a power of two of {block}-blocks")
     diag = torch.stack([a[..., i * block:(i + 1) * block, i * block:(i + 1) * block]
                         for i in range(nb)], dim=-3)  # [..., nb, block, block]
     eye = torch.eye(block, dtype=a.dtype, device=a.device)
