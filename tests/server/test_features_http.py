@@ -165,3 +165,54 @@ def test_best_of_returns_the_sample_of_highest_summed_logprob(oai, served):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(n=2, best_of=1, **kwargs)
     assert e.value.body["param"] == "best_of"
+
+
+def test_token_healing_is_an_opt_in_completions_field_that_heals_as_the_engine_does(
+        client, served, tiny_model):
+    """`token_healing: true` gives the text the engine's healing gives (the LLM API on the
+    same checkpoint); absent, the prompt is completed as sent; with a json_schema, not a
+    boolean, or on chat it is a 400."""
+    from deltaserve import LLM, SamplingParams
+
+    prompt, body = "def f(x):\n", {"max_tokens": 8, "temperature": 0}
+    llm = LLM(str(tiny_model), device="cpu", dtype="float32", page_size=16)
+    want = {heal: llm.generate([prompt], SamplingParams(
+        max_tokens=8, temperature=0, token_healing=heal))[0].text for heal in (False, True)}
+    assert want[True] != want[False]  # the prompt's last "\n" is healed here
+    for heal in (False, True):
+        extra = {"token_healing": True} if heal else {}
+        r = client.post("/v1/completions", json={"prompt": prompt, **body, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want[heal]
+    r = client.post("/v1/completions", json={
+        "prompt": prompt, **body, "token_healing": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object"}}}})
+    assert r.status_code == 400 and "token_healing" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": prompt, **body, "token_healing": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "token_healing"
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], **body, "token_healing": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "token_healing"
+
+
+@pytest.mark.parametrize("field", ["skip_special_tokens", "spaces_between_special_tokens"])
+def test_vllm_detokenizer_options_set_to_false_are_refused_not_ignored(client, field):
+    body = {"prompt": "x", "max_tokens": 2}
+    assert client.post("/v1/completions", json={**body, field: True}).status_code == 200
+    r = client.post("/v1/completions", json={**body, field: False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+def test_a_json_schema_ref_to_another_document_is_refused(client):
+    schema = {"type": "object", "properties": {"a": {"$ref": "http://example.com/x.json"}}}
+    r = client.post("/v1/completions", json={
+        "prompt": "x", "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert r.status_code == 400 and "$ref" in r.json()["error"]["message"]
+    local = {"$defs": {"n": {"type": "integer"}}, "type": "object",
+             "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"]}
+    r = client.post("/v1/completions", json={
+        "prompt": "x", "max_tokens": 12,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": local}}})
+    assert r.status_code == 200, r.text

@@ -207,6 +207,9 @@ def _unenforced(schema: Any, depth: int = 0) -> str | None:
     for key in UNENFORCED_KEYWORDS:
         if key in schema:
             return f"'{key}'"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):  # xgrammar reads no other document
+        return f"'$ref' to {ref[:100]!r} (only references inside the schema, '#/...', resolve)"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return "'allOf' with more than one subschema"
     for key, value in schema.items():

@@ -10,6 +10,7 @@ vLLM does.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import (
@@ -65,6 +66,7 @@ VLLM_UNSUPPORTED = ("min_tokens", "use_beam_search", "include_stop_str_in_output
                     "allowed_token_ids", "bad_words", "prompt_logprobs", "truncate_prompt_tokens",
                     "guided_choice", "guided_grammar",
                     "structured_outputs", "logits_processors")
+VLLM_DETOKENIZE_UNSUPPORTED = ("skip_special_tokens", "spaces_between_special_tokens")
 # and on chat (vLLM's chat extensions): the prompt as rendered here would differ from theirs
 VLLM_CHAT_UNSUPPORTED = ("echo", "chat_template", "continue_final_message")
 # OpenAI's legacy function-calling fields (before `tools`)
@@ -119,6 +121,9 @@ class _GenerationRequest(BaseModel):
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported by deltaserve", "logit_bias")
         refuse_set_extras(self.model_extra or {}, VLLM_UNSUPPORTED)
+        # vLLM's detokenizer options whose default is true: false would change the text
+        refuse_set_extras(self.model_extra or {}, VLLM_DETOKENIZE_UNSUPPORTED,
+                          unset=(None, True))
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true",
                                  "stream_options")
@@ -168,6 +173,18 @@ class CompletionRequest(_GenerationRequest):
     echo: StrictBool = False
     best_of: StrictInt | None = None
     suffix: str | None = None
+    # deltaserve's extension (SamplingParams.token_healing; `deltaserve generate` heals by
+    # default, the server completes the prompt exactly as sent unless asked)
+    token_healing: StrictBool = False
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        params = super().to_sampling_params(max_tokens)
+        if not self.token_healing:
+            return params
+        try:
+            return dataclasses.replace(params, token_healing=True)
+        except ValueError as e:
+            raise InvalidRequest(str(e), "token_healing") from e
 
     def logprob_count(self) -> int | None:
         if self.logprobs is None and self.num_samples() > (self.n or 1):
@@ -271,6 +288,8 @@ class ChatCompletionRequest(_GenerationRequest):
                                      "deltaserve (use tool_calls)", f"messages.{i}.function_call")
         response_format_kind(self.response_format)
         refuse_set_extras(extra, VLLM_CHAT_UNSUPPORTED)
+        refuse_set_extras(extra, ("token_healing",), " on chat (a /v1/completions parameter: "
+                          "the chat template's end is no place to heal)")
         if extra.get("best_of") not in (None, self.n or 1):  # it was ignored (a fresh user)
             raise InvalidRequest("best_of is a /v1/completions parameter; chat completions "
                                  "return n choices", "best_of")
