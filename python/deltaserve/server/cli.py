@@ -150,7 +150,9 @@ def _as_flag(message: str) -> str:
 EXIT_STATUS = ("exit status: 0 done; 1 an error, in one line 'deltaserve: error: ...' (a flag "
                "value out of range, the checkpoint, the device, a prompt); 2 a usage error, "
                "with the usage line (an unknown flag, a value of the wrong type or not among "
-               "a flag's choices, no prompt given); 130 interrupted (Ctrl-C)")
+               "a flag's choices, no prompt given); 130 interrupted (Ctrl-C). serve: 0 "
+               "after Ctrl-C's graceful shutdown; SIGTERM ends it by that signal after the "
+               "same shutdown (status 143 in a shell)")
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
                   "top_p": "--top-p", "top_k": "--top-k",
