@@ -224,6 +224,8 @@ def test_vllm_extensions_that_would_change_the_output_are_refused_not_ignored(fi
                                           "chat_template_kwargs"),
                                          ({"chat_template_kwargs": {"add_generation_prompt":
                                                                     False}},
+                                          "chat_template_kwargs"),
+                                         ({"chat_template_kwargs": {"messages": []}},
                                           "chat_template_kwargs")])
 def test_chat_extensions_that_would_change_the_rendered_prompt_are_refused(extra, param):
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], **extra)

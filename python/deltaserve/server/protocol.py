@@ -252,8 +252,9 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-# apply_chat_template's own arguments: in chat_template_kwargs they collide with the call
-TEMPLATE_CALL_ARGS = frozenset({"conversation", "tools", "documents", "chat_template",
+# apply_chat_template's own arguments, and "messages", which it passes to the template's
+# render itself: in chat_template_kwargs they collide with the call
+TEMPLATE_CALL_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
                                 "add_generation_prompt", "continue_final_message", "tokenize",
                                 "padding", "truncation", "max_length", "return_tensors",
                                 "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
