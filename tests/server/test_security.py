@@ -137,6 +137,16 @@ def test_host_entries_match_exactly_by_subdomain_or_anything():
     assert host_allowed("anything", ("*",))
 
 
+def test_a_loopback_address_matches_an_allowed_loopback_address_but_no_name_does():
+    loopback = ServerOptions.for_bind("127.0.0.1").allowed_hosts
+    for name in ("127.0.0.1", "127.0.0.2", "127.255.0.9", "::1", "localhost"):
+        assert host_allowed(name, loopback), name
+    for name in ("127.0.0.2.evil.example", "evil.example", "10.0.0.1", "0.0.0.0"):
+        assert not host_allowed(name, loopback), name
+    assert not host_allowed("127.0.0.2", ("localhost",))  # a name entry matches names only
+    assert not host_allowed("127.0.0.2", ("api.example.com",))
+
+
 def test_the_default_hosts_follow_the_bind_address():
     assert ServerOptions.for_bind("127.0.0.1").allowed_hosts == ("localhost", "127.0.0.1", "::1")
     assert ServerOptions.for_bind("0.0.0.0").allowed_hosts == ("*",)

@@ -90,6 +90,13 @@ def is_loopback(host: str) -> bool:
         return False  # a name that resolves elsewhere, or "" (all interfaces)
 
 
+def _loopback_address(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 def host_name(host_header: str) -> str:
     """The name part of a Host header value, lowercase: "[::1]:8000" -> "::1"."""
     value = host_header.strip().lower()
@@ -100,9 +107,13 @@ def host_name(host_header: str) -> str:
 
 
 def host_allowed(name: str, allowed: tuple[str, ...]) -> bool:
-    """Whether the Host name `name` matches an entry of `allowed` (see ServerOptions)."""
+    """Whether the Host name `name` matches an entry of `allowed` (see ServerOptions). A
+    loopback address literal (127.0.0.0/8, ::1) matches an allowed loopback address: a
+    DNS-rebinding page sends its own domain name, never an address."""
     for entry in allowed:
         if entry == "*" or name == entry:
+            return True
+        if _loopback_address(entry) and _loopback_address(name):
             return True
         if entry.startswith(".") and (name == entry[1:] or name.endswith(entry)):
             return True
