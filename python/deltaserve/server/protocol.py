@@ -10,7 +10,6 @@ vLLM does.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Literal
 
 from pydantic import (
@@ -150,7 +149,7 @@ class _GenerationRequest(BaseModel):
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
+            "repetition_penalty": self.repetition_penalty, **self.extension_params(),
         }
         try:
             params = SamplingParams(
@@ -163,6 +162,10 @@ class _GenerationRequest(BaseModel):
                 field = self.max_tokens_param()[1]
             raise InvalidRequest(str(e).replace("max_tokens", field, 1), field) from e
         return params
+
+    def extension_params(self) -> dict[str, Any]:
+        """SamplingParams fields set by this endpoint's deltaserve extensions (None: unset)."""
+        return {}
 
 
 class CompletionRequest(_GenerationRequest):
@@ -177,14 +180,8 @@ class CompletionRequest(_GenerationRequest):
     # default, the server completes the prompt exactly as sent unless asked)
     token_healing: StrictBool = False
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        params = super().to_sampling_params(max_tokens)
-        if not self.token_healing:
-            return params
-        try:
-            return dataclasses.replace(params, token_healing=True)
-        except ValueError as e:
-            raise InvalidRequest(str(e), "token_healing") from e
+    def extension_params(self) -> dict[str, Any]:
+        return {"token_healing": self.token_healing}
 
     def logprob_count(self) -> int | None:
         if self.logprobs is None and self.num_samples() > (self.n or 1):
