@@ -117,8 +117,7 @@ def unit_lower_inverse(a: torch.Tensor, block: int = 16) -> torch.Tensor:
     only T: dL/da = -(T^T (dL/dT) T^T) below the diagonal (from dT = -T da T), not the
     substitution's intermediate rows. Raises ValueError for a C it cannot split.
     """
-    _check_split(a.shape[-1], block)
-    return _UnitLowerInverse.apply(a, block)
+    return _UnitLowerInverse.apply(a, _diagonal_block(a.shape[-1], block))
 
 
 class _UnitLowerInverse(torch.autograd.Function):
@@ -135,16 +134,17 @@ class _UnitLowerInverse(torch.autograd.Function):
         return -(tt @ grad @ tt).tril(-1), None
 
 
-def _check_split(size: int, block: int) -> None:
+def _diagonal_block(size: int, block: int) -> int:
+    """The diagonal blocks' size: `block`, or `size` when smaller; raises ValueError when
+    `size` is not a power of two of them."""
     nb = max(1, size // block)
     if nb * (size // nb) != size or nb & (nb - 1):
         raise ValueError(f"{size} x {size} does not split into a power of two of {block}-blocks")
+    return size // nb
 
 
 def _unit_lower_inverse(a: torch.Tensor, block: int) -> torch.Tensor:
-    size = a.shape[-1]
-    nb = max(1, size // block)
-    block = size // nb
+    nb = a.shape[-1] // block
     diag = torch.stack([a[..., i * block:(i + 1) * block, i * block:(i + 1) * block]
                         for i in range(nb)], dim=-3)  # [..., nb, block, block]
     eye = torch.eye(block, dtype=a.dtype, device=a.device)
