@@ -123,8 +123,5 @@ has prefilltest && TAILN=12 run prefilltest ${PREFILLTEST_T:-400} python3 -m pyt
 has prefill && TAILN=10 run prefill ${PREFILL_T:-240} python3 benchmarks/bench_prefill.py --compare --out "$LOGS/prefill.json"
 # the bf16 MoE test's first token: each ops module's kernels off in turn beside the fp32 oracle
 has bisect && TAILN=14 run bisect 240 python3 scripts/bisect_ops.py --tiny qwen3_5_moe_text --seed 4 --dtype bfloat16 --prompt-len 100 --prompt-seed 7 --out "$LOGS/bisect.json"
-# issue 33: where the retraining's step time goes (a stdlib-only corpus made on the machine)
-has trainprof && TAILN=40 run trainprof ${TRAINPROF_T:-240} python3 scripts/train_default_model.py --out "$LOGS/trainprof" --corpus /tmp/corpus --no-extra --profile-steps 3 --arch hidden_size=384 --arch linear_num_key_heads=6 --arch linear_num_value_heads=12
-# the same with the training forward compiled by inductor (after trainprof: the corpus exists)
-has trainprofc && TAILN=40 run trainprofc ${TRAINPROF_T:-400} python3 scripts/train_default_model.py --out "$LOGS/trainprofc" --corpus /tmp/corpus --no-extra --profile-steps 3 --compile inductor --arch hidden_size=384 --arch linear_num_key_heads=6 --arch linear_num_value_heads=12
+# issue 33's training profiles and runs: benchmarks/device_train.sh (no extension build)
 echo "total ${SECONDS}s"
