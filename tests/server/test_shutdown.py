@@ -37,10 +37,10 @@ class SlowEngine:
         return self._engine.step()
 
 
-def stop_mid_requests(tiny_model, caplog, signals: int, stop_after: float,
-                      grace: float) -> tuple[dict, AsyncEngine]:
+def stop_mid_requests(tiny_model, caplog, signals: int, stop_after: float, grace: float,
+                      sig: int = signal.SIGINT) -> tuple[dict, AsyncEngine]:
     """Serve on a free port; start a plain, a streamed and an n=2 request; once all are
-    running, deliver `signals` exit signals. Returns the answers (by kind) and the engine,
+    running, deliver `signals` exit signals `sig`. Returns the answers (by kind) and the engine,
     shut down. uvicorn's own log records propagate (log_config=None) so that caplog sees
     its tracebacks too."""
     engine = AsyncEngine(SlowEngine(make_engine(tiny_model)))
@@ -77,7 +77,7 @@ def stop_mid_requests(tiny_model, caplog, signals: int, stop_after: float,
             time.sleep(0.02)
         with caplog.at_level(logging.INFO):
             for _ in range(signals):
-                server.handle_exit(signal.SIGINT, None)
+                server.handle_exit(sig, None)
                 time.sleep(0.1)
             for c in clients:
                 c.join(10)
@@ -117,13 +117,17 @@ def test_requests_running_at_shutdown_end_with_a_503_or_an_error_event(tiny_mode
     assert_nothing_leaked(engine)
 
 
-@pytest.mark.parametrize("signals, grace", [(2, 5), (1, 0.3)],
-                         ids=["second Ctrl-C", "uvicorn's grace period runs out"])
+@pytest.mark.parametrize("signals, grace, sig",
+                         [(2, 60, signal.SIGINT), (2, 60, signal.SIGTERM),
+                          (1, 0.3, signal.SIGINT)],
+                         ids=["second Ctrl-C", "second SIGTERM",
+                              "uvicorn's grace period runs out"])
 def test_requests_cancelled_by_the_server_end_with_a_503_or_an_error_event(
-        tiny_model, caplog, signals, grace):
+        tiny_model, caplog, signals, grace, sig):
     """uvicorn cancels the request tasks (a plain-text 500 and an `Exception in ASGI
-    application` traceback before LastResort); the engine is not stopped first."""
+    application` traceback before LastResort); the engine is not stopped first. The second
+    signal quits at once: the 60 s grace period would outlast the joins."""
     results, engine = stop_mid_requests(tiny_model, caplog, signals=signals, stop_after=30,
-                                        grace=grace)
+                                        grace=grace, sig=sig)
     assert_answered(results, CANCELLED_MESSAGE, caplog)
     assert_nothing_leaked(engine)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
 from typing import TYPE_CHECKING
 
@@ -39,8 +40,9 @@ def graceful_server(config, engine: AsyncEngine, stop_after: float = ENGINE_STOP
     """A uvicorn.Server for `config` that, on the first exit signal (Ctrl-C, SIGTERM), gives
     requests `stop_after` seconds to finish and then stops `engine`. Each request still
     running then ends as an answer (503 JSON, or an error event and [DONE] in a stream)
-    before uvicorn's grace period runs out. A second Ctrl-C quits at once (uvicorn's force
-    quit): the request tasks are cancelled and LastResort answers them the same way."""
+    before uvicorn's grace period runs out. A second Ctrl-C or SIGTERM quits at once
+    (uvicorn's force quit, which uvicorn itself gives a second SIGINT only): the request tasks
+    are cancelled and LastResort answers them the same way."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -51,6 +53,8 @@ def graceful_server(config, engine: AsyncEngine, stop_after: float = ENGINE_STOP
                 self.stop_timer = threading.Timer(stop_after, engine.shutdown)
                 self.stop_timer.daemon = True
                 self.stop_timer.start()
+            elif sig == signal.SIGTERM:  # a supervisor's second request to stop: as Ctrl-C's
+                self.force_exit = True
             super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets=None) -> None:
