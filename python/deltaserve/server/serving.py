@@ -300,8 +300,8 @@ class OpenAIServing:
             finally:
                 for s in streams:  # no-op once finished; frees pages/slots if the client left
                     s.abort()
-                if not stopped and not done():
-                    self._aborted(rid, endpoint)
+                if not stopped and not done():  # the client left, or the server's shutdown
+                    self._aborted(rid, endpoint, "the stream ended")  # cancelled the task
             if done():
                 self._finished(rid, endpoint, choices)
             yield "data: [DONE]\n\n"
@@ -318,9 +318,9 @@ class OpenAIServing:
                     sum(c.last.completion_tokens for c in choices),
                     [c.last.finish_reason for c in choices])
 
-    def _aborted(self, rid: str, endpoint: str) -> None:
+    def _aborted(self, rid: str, endpoint: str, why: str = "client gone") -> None:
         self.metrics.requests.labels(endpoint=endpoint, finish_reason="abort").inc()
-        logger.info("%s %s: client gone before the request finished; aborted", endpoint, rid)
+        logger.info("%s %s: %s before the request finished; aborted", endpoint, rid, why)
 
 
 def best(choices: list[Choice], n: int) -> list[Choice]:
