@@ -1,40 +1,31 @@
-"""Ctrl-C on `deltaserve serve`: requests still running when the server stops get an answer
-(a 503 JSON error, or an error event then [DONE] in a stream), not a cancelled task: after
-the engine stops (first Ctrl-C), on a second Ctrl-C (uvicorn's force quit) and when
+"""Ctrl-C or SIGTERM on `deltaserve serve`: requests still running when the server stops get
+an answer (a 503 JSON error, or an error event then [DONE] in a stream), not a cancelled
+task: after the engine stops (first signal), on a second signal (force quit) and when
 uvicorn's grace period runs out."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import uvicorn
 from live_server import make_engine
+from slow_server import SlowEngine
 
 from deltaserve.server.api import build_app
 from deltaserve.server.async_engine import AsyncEngine
 from deltaserve.server.shutdown import CANCELLED_MESSAGE, graceful_server
 
 BODY = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
-
-
-class SlowEngine:
-    """The real engine, 20 ms per step: a 400-token request outlives the shutdown."""
-
-    def __init__(self, engine) -> None:
-        self._engine = engine
-
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
-
-    def step(self):
-        time.sleep(0.02)
-        return self._engine.step()
 
 
 def stop_mid_requests(tiny_model, caplog, signals: int, stop_after: float, grace: float,
@@ -131,3 +122,53 @@ def test_requests_cancelled_by_the_server_end_with_a_503_or_an_error_event(
                                         grace=grace, sig=sig)
     assert_answered(results, CANCELLED_MESSAGE, caplog)
     assert_nothing_leaked(engine)
+
+
+@pytest.mark.parametrize("first, second", [(signal.SIGTERM, signal.SIGTERM),
+                                           (signal.SIGINT, signal.SIGTERM)],
+                         ids=["SIGTERM twice", "Ctrl-C then SIGTERM"])
+def test_a_force_quit_by_sigterm_answers_the_running_requests_before_the_process_ends(
+        tiny_model, first, second):
+    """Real signals to a server process (uvicorn catches them in the main thread only).
+    uvicorn leaves the request tasks running on a force quit and re-raises the caught
+    signals as it returns; SIGTERM's default action would then end the process before
+    anything cancelled them: empty replies, streams cut without [DONE]."""
+    here = Path(__file__).parent
+    child = subprocess.Popen([sys.executable, str(here / "slow_server.py"), str(tiny_model)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                 [str(here), os.environ.get("PYTHONPATH", "")])})
+    results: dict = {}
+    try:
+        base = f"http://127.0.0.1:{child.stdout.readline().strip()}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert child.poll() is None and time.monotonic() < deadline, "no server"
+            time.sleep(0.1)
+        plain = threading.Thread(target=lambda: results.update(plain=httpx.post(
+            base + "/v1/completions", json=BODY, timeout=30)))
+        plain.start()
+        with httpx.stream("POST", base + "/v1/completions", json={**BODY, "stream": True},
+                          timeout=30) as r:
+            lines = r.iter_lines()
+            events = [next(line for line in lines if line.startswith("data: "))]
+            child.send_signal(first)
+            time.sleep(0.3)
+            child.send_signal(second)
+            events += [line for line in lines if line.startswith("data: ")]
+        plain.join(30)
+        _, stderr = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    assert child.returncode == -signal.SIGTERM, stderr  # the re-raised signal ends it
+    response = results["plain"]
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["message"] == CANCELLED_MESSAGE
+    assert events[-1] == "data: [DONE]"
+    assert CANCELLED_MESSAGE in events[-2], events[-2:]
+    assert "Traceback" not in stderr, stderr

@@ -2,12 +2,12 @@
 
 Ctrl-C (or SIGTERM) on `deltaserve serve`: `graceful_server` gives running requests
 ENGINE_STOP_S seconds, then stops the engine, and each request still running ends with the
-engine's error (a 503 error object, or an error event then [DONE] in a stream). uvicorn
-cancels the request tasks that are still running when its own grace period runs out or on a
-second Ctrl-C (force quit), and asyncio cancels whatever is left when the loop closes:
-`LastResort`, the outermost middleware, ends such a request the same documented way instead
-of uvicorn's plain-text 500 and logged traceback (and answers an unhandled exception with a
-500 error object).
+engine's error (a 503 error object, or an error event then [DONE] in a stream). The request
+tasks still running are cancelled when uvicorn's own grace period runs out (by uvicorn), on a
+second Ctrl-C or SIGTERM (force quit: by `graceful_server`, since uvicorn leaves them) and by
+asyncio when the loop closes: `LastResort`, the outermost middleware, ends such a request the
+same documented way instead of uvicorn's plain-text 500 and logged traceback (and answers an
+unhandled exception with a 500 error object).
 """
 
 from __future__ import annotations
@@ -59,8 +59,18 @@ def graceful_server(config, engine: AsyncEngine, stop_after: float = ENGINE_STOP
 
         async def shutdown(self, sockets=None) -> None:
             await super().shutdown(sockets)
-            if self.force_exit:  # uvicorn skips it; the lifespan task would be cancelled and
-                await self.lifespan.shutdown()  # starlette would log that as a traceback
+            if self.force_exit:
+                # uvicorn leaves the request tasks running on a force quit and re-raises the
+                # signals it caught as serve() returns, in the loop: SIGINT's interrupt lets
+                # asyncio.run cancel them (LastResort answers), SIGTERM's default action kills
+                # the process first, leaving empty replies. So cancel them here, SIGINT or not.
+                running = [t for t in self.server_state.tasks if not t.done()]
+                for t in running:
+                    t.cancel()
+                if running:
+                    await asyncio.wait(running, timeout=2 * ANSWER_TIMEOUT_S)
+                # uvicorn skips it; the lifespan task would be cancelled and starlette would
+                await self.lifespan.shutdown()  # log that as a traceback
 
     return Server(config)
 
