@@ -32,6 +32,10 @@ def test_sampling_params_take_one_stop_string_or_none_and_refuse_wrong_types():
 def test_bad_values_fail_where_the_params_are_built_and_again_when_changed_after():
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
         SamplingParams(temperature=-0.5)  # as vLLM: no request needed to see the mistake
+    for t in (float("nan"), float("inf"), 1e308, 3.5e38):  # 1e308 would be inf in fp32
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            SamplingParams(temperature=t)
+    assert SamplingParams(temperature=3.4e38).temperature == 3.4e38
     with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
         SamplingParams(max_tokens=0)
     params = SamplingParams()

@@ -12,7 +12,6 @@ They change only through `Req` methods.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -59,6 +58,8 @@ def _is_number(x: object) -> bool:
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
+
+FP32_MAX = 3.4028234663852886e38  # the largest finite float32
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -119,8 +120,9 @@ class SamplingParams:
         checks = [
             (lambda: _is_int(self.max_tokens) and self.max_tokens >= 1,
              "max_tokens must be an integer >= 1"),
-            (lambda: num(self.temperature) and math.isfinite(self.temperature)
-             and self.temperature >= 0.0, "temperature must be a finite number >= 0"),
+            # sampling runs in fp32: a larger temperature would be inf there
+            (lambda: num(self.temperature) and 0.0 <= self.temperature <= FP32_MAX,
+             "temperature must be a finite number >= 0 (at most 3.4e38, fp32's largest)"),
             # fp32 sampling: a top_p that rounds to 0 there still keeps the most likely token
             (lambda: num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (lambda: _is_int(self.top_k) and self.top_k >= -1, "top_k must be -1, 0 or >= 1"),

@@ -219,7 +219,7 @@ def test_malformed_requests_are_400_and_unknown_routes_404(client):
     array = client.post("/v1/completions", json=["Hi"])
     assert "not an array" in assert_openai_error(array, 400, None)["message"]
     for field, value in [("max_tokens", True), ("max_tokens", "3"), ("top_k", True),
-                         ("temperature", "0.5"), ("seed", 2**64)]:
+                         ("temperature", "0.5"), ("temperature", 1e308), ("seed", 2**64)]:
         r = client.post("/v1/completions", json={"prompt": "Hi", field: value})
         assert_openai_error(r, 400, field)
     booleans = client.post("/v1/completions", json={"prompt": [True, False]})
