@@ -178,9 +178,9 @@ def test_a_bad_sampling_flag_is_refused_before_the_model_loads(flag, value, mess
 
 
 @pytest.mark.parametrize("prompts,stdin,message", [
-    (["hi", ""], "", "prompt 1 is empty"),
-    (["\udcff"], "", "prompt 0 is not valid UTF-8 (byte b'\\xff' at character 0)"),
-    ([], "def f():\nx\udcfe\n", "prompt 1 is not valid UTF-8 (byte b'\\xfe' at character 1)"),
+    (["hi", ""], b"", "prompt 1 is empty"),
+    (["\udcff"], b"", "prompt 0 is not valid UTF-8 (byte b'\\xff' at character 0)"),
+    ([], b"def f():\nx\xfe\n", "prompt 1 is not valid UTF-8 (byte b'\\xfe' at character 1)"),
 ])
 def test_an_empty_or_undecodable_prompt_is_refused_before_the_model_loads(
         prompts, stdin, message, monkeypatch):
@@ -194,9 +194,16 @@ def test_an_empty_or_undecodable_prompt_is_refused_before_the_model_loads(
         raise AssertionError("the model was loaded before the prompts were checked")
 
     monkeypatch.setattr(cli, "_make_engine", load)
-    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(stdin)))
     with pytest.raises(SystemExit, match=f"deltaserve: error: {re.escape(message)}"):
         main(["generate", *prompts])
+
+
+def test_stdin_prompts_are_its_non_blank_lines_without_a_crlf_files_carriage_return():
+    from deltaserve.server.cli import stdin_prompts
+
+    data = "a = 1\r\n\r\n  \nb\x0c = 2\nc\r\rd\xe9\n".encode() + b"\xff"
+    assert stdin_prompts(data) == ["a = 1", "b\x0c = 2", "c\r\rd\xe9", "\udcff"]
 
 
 def test_ctrl_c_in_generate_exits_130_without_a_traceback(monkeypatch, capsys):

@@ -26,7 +26,7 @@ def no_engine(monkeypatch):
 
 def test_no_prompt_is_a_usage_error_with_the_usage_line_and_status_2(monkeypatch, capsys,
                                                                      no_engine):
-    monkeypatch.setattr("sys.stdin", io.StringIO("\n  \n"))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\n  \r\n")))
     with pytest.raises(SystemExit) as e:
         main(["generate", "--device", "cpu"])
     assert e.value.code == 2
@@ -85,3 +85,12 @@ def test_the_command_exits_1_with_the_one_line_error_and_loads_no_weight(tiny_mo
     lines = [line for line in done.stderr.splitlines() if "deltaserve" in line]
     assert lines[-1].startswith("deltaserve: error: the caches do not fit in memory")
     assert "merged projections" not in done.stderr
+
+
+def test_version_prints_the_installed_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"deltaserve {version('deltaserve')}\n"

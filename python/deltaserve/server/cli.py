@@ -159,11 +159,21 @@ SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
                   "repetition_penalty": "--repetition-penalty"}
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deltaserve")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__.split("\n")[0],
                                      epilog=EXIT_STATUS)
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                         help="logging level (default INFO); also accepted after the command")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="print completions of the prompts (or stdin lines)",
@@ -229,10 +239,19 @@ def _make_engine(args: argparse.Namespace):
         raise SystemExit(f"deltaserve: error: {_as_flag(str(e))}") from e
 
 
+def stdin_prompts(data: bytes) -> list[str]:
+    """`generate`'s prompts from standard input's bytes: one per line, blank lines skipped.
+    Decoded as argv is (undecodable bytes kept as lone surrogates, which `_generate` reports
+    with the prompt's number); lines end at "\n" only (a form feed stays in its line) and a
+    CRLF file's "\r" is not part of its prompts."""
+    text = data.decode("utf-8", "surrogateescape")
+    return [line.removesuffix("\r") for line in text.split("\n") if line.strip()]
+
+
 def _generate(args: argparse.Namespace) -> int:
     from deltaserve.core import SamplingParams
 
-    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    prompts = args.prompts or stdin_prompts(sys.stdin.buffer.read())
     if not prompts:  # as a missing required argument: the usage line, exit status 2
         args.command_parser.error("no prompts given: pass PROMPT arguments or one prompt per "
                                   "line on standard input")
