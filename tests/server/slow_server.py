@@ -5,6 +5,7 @@ ends it the way `deltaserve serve` does (uvicorn re-raises the signals it caught
 
 from __future__ import annotations
 
+import logging
 import socket
 import sys
 import time
@@ -33,6 +34,7 @@ class SlowEngine:
 
 
 def main(model: str) -> None:
+    logging.basicConfig(level=logging.INFO)  # the engine's "engine thread stopped" included
     engine = AsyncEngine(SlowEngine(make_engine(Path(model))))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))

@@ -132,7 +132,8 @@ def test_a_force_quit_by_sigterm_answers_the_running_requests_before_the_process
     """Real signals to a server process (uvicorn catches them in the main thread only).
     uvicorn leaves the request tasks running on a force quit and re-raises the caught
     signals as it returns; SIGTERM's default action would then end the process before
-    anything cancelled them: empty replies, streams cut without [DONE]."""
+    anything cancelled them (empty replies, streams cut without [DONE]) and in the middle of
+    an engine step (a tensor-parallel worker then fails inside its collective)."""
     here = Path(__file__).parent
     child = subprocess.Popen([sys.executable, str(here / "slow_server.py"), str(tiny_model)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -172,3 +173,4 @@ def test_a_force_quit_by_sigterm_answers_the_running_requests_before_the_process
     assert events[-1] == "data: [DONE]"
     assert CANCELLED_MESSAGE in events[-2], events[-2:]
     assert "Traceback" not in stderr, stderr
+    assert "engine thread stopped" in stderr, stderr  # not cut off inside a step

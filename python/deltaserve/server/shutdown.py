@@ -42,7 +42,8 @@ def graceful_server(config, engine: AsyncEngine, stop_after: float = ENGINE_STOP
     running then ends as an answer (503 JSON, or an error event and [DONE] in a stream)
     before uvicorn's grace period runs out. A second Ctrl-C or SIGTERM quits at once
     (uvicorn's force quit, which uvicorn itself gives a second SIGINT only): the request tasks
-    are cancelled and LastResort answers them the same way."""
+    are cancelled and LastResort answers them the same way. Either way `engine` is stopped
+    before the server returns (and uvicorn re-raises the signal it caught)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -71,6 +72,9 @@ def graceful_server(config, engine: AsyncEngine, stop_after: float = ENGINE_STOP
                     await asyncio.wait(running, timeout=2 * ANSWER_TIMEOUT_S)
                 # uvicorn skips it; the lifespan task would be cancelled and starlette would
                 await self.lifespan.shutdown()  # log that as a traceback
+            # before uvicorn re-raises the signal: the engine's loop ends its step and stops
+            # (tensor-parallel workers then see rank 0 leave between steps, not inside one)
+            await asyncio.to_thread(engine.shutdown)
 
     return Server(config)
 
