@@ -61,6 +61,7 @@ def _is_int(x: object) -> bool:
 
 FP32_MAX = 3.4028234663852886e38  # the largest finite float32
 
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling and stopping rules (the OpenAI / vLLM fields).
