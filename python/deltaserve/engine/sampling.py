@@ -31,11 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deltaserve.core import SamplingParams
+from deltaserve.core import FP32_MAX, SamplingParams
 from deltaserve.engine.sampling_rng import row_uniforms
 from deltaserve.engine.staging import to_device
-
-FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(slots=True)

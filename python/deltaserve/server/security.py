@@ -82,15 +82,12 @@ class ServerOptions:
 
 def is_loopback(host: str) -> bool:
     """Whether binding `host` listens on loopback only ("localhost", 127.0.0.0/8, ::1)."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name that resolves elsewhere, or "" (all interfaces)
+    return host.lower() == "localhost" or _loopback_address(host.strip("[]"))
 
 
 def _loopback_address(name: str) -> bool:
+    """Whether `name` is a loopback IP address literal; False for any name (one that resolves
+    elsewhere, or "": all interfaces)."""
     try:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
