@@ -72,6 +72,8 @@ def graceful_server(config, engine: AsyncEngine, stop_after: float = ENGINE_STOP
                     await asyncio.wait(running, timeout=2 * ANSWER_TIMEOUT_S)
                 # uvicorn skips it; the lifespan task would be cancelled and starlette would
                 await self.lifespan.shutdown()  # log that as a traceback
+            if self.stop_timer is not None:  # the requests ended first: it has no work left
+                self.stop_timer.cancel()
             # before uvicorn re-raises the signal: the engine's loop ends its step and stops
             # (tensor-parallel workers then see rank 0 leave between steps, not inside one)
             await asyncio.to_thread(engine.shutdown)
