@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -196,3 +197,23 @@ def test_a_dummy_model_is_drawn_at_shard_size_on_each_rank(checkpoints):
         assert_drained(llm.engine)
     finally:
         llm.engine.close()
+
+
+def test_a_worker_that_exits_during_the_grace_is_named():
+    """A killed rank's sockets close before its exit is visible, so rank 0's collective can
+    fail first: dead(grace) waits for the exit and names the rank, dead() cannot yet."""
+    import multiprocessing
+
+    from deltaserve.distributed.worker import Workers
+
+    workers = Workers.__new__(Workers)
+    proc = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(1.0,))
+    proc.start()
+    workers.procs, workers.conns, workers.stopped = [proc], [], False
+    workers.reap_lock = threading.Lock()
+    try:
+        assert workers.dead() is None
+        why = workers.dead(grace_s=30.0)
+        assert why == f"tensor-parallel rank 1 (pid {proc.pid}) exited with code 0"
+    finally:
+        proc.join(5)

@@ -158,6 +158,9 @@ def test_a_force_quit_by_sigterm_answers_the_running_requests_before_the_process
                           timeout=30) as r:
             lines = r.iter_lines()
             events = [next(line for line in lines if line.startswith("data: "))]
+            while httpx.get(base + "/v1/cache/status").json()["running_requests"] < 2:
+                assert time.monotonic() < deadline, "the plain request did not start"
+                time.sleep(0.05)  # a request sent after the signal would be refused instead
             child.send_signal(first)
             time.sleep(0.3)
             child.send_signal(second)

@@ -146,7 +146,9 @@ class TPEngine(LLMEngine):
         except Exception as e:
             if self.rank != 0:
                 raise
-            self._fail(self.workers.dead() or f"a step failed: {type(e).__name__}: {e}")
+            # a dead peer's "connection reset" can come before its exit is visible
+            why = self.workers.dead(w.DEATH_GRACE_S)
+            self._fail(why or f"a step failed: {type(e).__name__}: {e}")
             raise w.RankFailure(self.failure) from e
 
     # ---- what rank 0 decides inside a step ------------------------------------------------

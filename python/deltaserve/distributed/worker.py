@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("deltaserve.distributed")
 T = TypeVar("T")
+# How long a failed pipe or collective waits for a worker's exit to show: a killed process
+# closes its sockets one by one, so the peer's error can come before the exit is visible,
+# and the exit is what names the rank to blame.
+DEATH_GRACE_S = 2.0
 
 
 class RankFailure(RuntimeError):
@@ -153,6 +157,9 @@ class Workers:
     def __init__(self, cfg: EngineConfig, size: int, port: int, timeout_s: float) -> None:
         ctx = multiprocessing.get_context("spawn")  # fork would copy rank 0's threads/CUDA
         self.timeout_s, self.stopped = timeout_s, False
+        # dead() runs on the watchdog thread and the engine's: two concurrent reaps of one
+        # exit (waitpid) leave the loser with ECHILD and no exit code, so one at a time
+        self.reap_lock = threading.Lock()
         self.procs, self.conns = [], []
         for rank in range(1, size):
             parent, child = ctx.Pipe(duplex=True)
@@ -173,16 +180,19 @@ class Workers:
 
         threading.Thread(target=run, name="deltaserve-tp-watchdog", daemon=True).start()
 
-    def dead(self) -> str | None:
-        """Why a worker is gone (`rank 2 (pid 123) exited with code -9`), or None."""
-        gone = multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=0)
-        for rank, proc in enumerate(self.procs, start=1):
-            if proc.sentinel in gone:
-                proc.join(1.0)  # reap it: exitcode is None until then
-            if proc.exitcode is not None:
-                return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code " \
-                       f"{proc.exitcode}"
-        return None
+    def dead(self, grace_s: float = 0.0) -> str | None:
+        """Why a worker is gone (`rank 2 (pid 123) exited with code -9`), or None after
+        waiting up to `grace_s` seconds for one to go."""
+        with self.reap_lock:
+            gone = multiprocessing.connection.wait([p.sentinel for p in self.procs],
+                                                   timeout=grace_s)
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.sentinel in gone:
+                    proc.join(1.0)  # reap it: exitcode is None until then
+                if proc.exitcode is not None:
+                    return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code " \
+                           f"{proc.exitcode}"
+            return None
 
     def rendezvous(self, make: Callable[[], T]) -> T:
         """make() (the process group's construction, which waits for every rank) run while
@@ -213,7 +223,8 @@ class Workers:
             try:
                 conn.send(msg)
             except OSError as e:  # BrokenPipeError, ConnectionResetError
-                raise RankFailure(self.dead() or f"tensor-parallel rank {rank}: {e}") from e
+                raise RankFailure(self.dead(DEATH_GRACE_S)
+                                  or f"tensor-parallel rank {rank}: {e}") from e
 
     def collect(self, kind: type) -> list:
         """One reply of type `kind` from each worker, within timeout_s each. Raises
@@ -228,8 +239,8 @@ class Workers:
             if isinstance(msg, Failed):
                 raise RankFailure(f"tensor-parallel rank {msg.rank} failed: {msg.error}")
             if not isinstance(msg, kind):
-                raise RankFailure(self.dead() or f"tensor-parallel rank {rank} gave no "
-                                  f"{kind.__name__} within {self.timeout_s:.0f} s")
+                raise RankFailure(self.dead(DEATH_GRACE_S) or f"tensor-parallel rank {rank} "
+                                  f"gave no {kind.__name__} within {self.timeout_s:.0f} s")
             out.append(msg)
         return out
 
@@ -242,14 +253,15 @@ class Workers:
                     conn.send(Stop())
                 except OSError:
                     pass
-        for proc in self.procs:
-            proc.join(2.0 if graceful else 0.0)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(2.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(1.0)
+        with self.reap_lock:
+            for proc in self.procs:
+                proc.join(2.0 if graceful else 0.0)
+                if proc.is_alive():
+                    proc.terminate()
+                    proc.join(2.0)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(1.0)
         for conn in self.conns:
             conn.close()
 
