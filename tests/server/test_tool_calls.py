@@ -53,3 +53,20 @@ def test_streaming_in_any_split_gives_the_same_content_and_calls(step):
     content += parser.finish()
     assert content == "Let me check.\n ok <tool_ <tool_call>{bad}</tool_call>"
     assert [c.name for c in calls] == ["get_weather", "get_weather"]
+
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Sure thing! \n" + HERMES[len("Let me check.\n"):], "Sure thing!"),
+    (" \n" + XML + "\n\n  Done.\n" + XML + "\n", "Done."),
+    (XML + "\n" + XML, None),
+    ("a <tool_call>{bad}</tool_call>  \n" + XML, "a <tool_call>{bad}</tool_call>"),
+    ("Hi \n there\n", "Hi \n there\n")])  # text only: all of it
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_stream_gives_the_content_of_the_whole_reply(text, expected, step):
+    """Streamed and non-streamed chat send the same text, trimmed around the calls."""
+    parser, content = ToolStreamParser(TOOLS), ""
+    for i in range(0, len(text), step):
+        content += parser.feed(text[i:i + step])[0]
+    content += parser.finish()
+    assert parse_tool_calls(text, TOOLS)[0] == (content or None) == expected

@@ -88,14 +88,12 @@ def parse_block(body: str, tools: list[dict[str, Any]] | None) -> ParsedCall | N
 
 def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None
                      ) -> tuple[str | None, list[ParsedCall]]:
-    """Split a finished output into (content, calls), as the stream parser does: content is
-    the text outside the blocks that parsed, blocks that did not parse included (stripped when
-    there are calls; None when empty)."""
+    """Split a finished output into (content, calls), exactly as a stream of it gives them
+    (ToolStreamParser): content is the text outside the blocks that parsed, blocks that did
+    not parse included, None when empty."""
     parser = ToolStreamParser(tools)
     content, calls = parser.feed(text)
     content += parser.finish()
-    if calls:
-        content = content.strip()
     return content or None, calls
 
 
@@ -105,12 +103,17 @@ class ToolStreamParser:
 
     Text that may start a `<tool_call>` tag is held back until it is told apart; a block is
     held until its `</tool_call>`, then sent as one call (a tool_calls delta carrying the
-    whole arguments string) or, if it does not parse, as content.
+    whole arguments string) or, if it does not parse, as content. Once a call has parsed, the
+    content is trimmed as a reply that wraps calls should be ("Sure! <tool_call>..." gives
+    "Sure!"): whitespace is held until text follows it and dropped at the end, and the
+    content's leading whitespace is dropped when a call came before any content.
     """
 
     def __init__(self, tools: list[dict[str, Any]] | None) -> None:
         self.tools = tools
         self._buf = ""
+        self._space = ""  # trailing whitespace held back
+        self._called = self._spoke = False  # a call parsed / some content sent
 
     def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
         self._buf += delta
@@ -119,10 +122,10 @@ class ToolStreamParser:
             start = self._buf.find(START)
             if start < 0:
                 keep = _partial_suffix(self._buf, START)
-                text.append(self._buf[:len(self._buf) - keep])
+                text.append(self._content(self._buf[:len(self._buf) - keep]))
                 self._buf = self._buf[len(self._buf) - keep:]
                 break
-            text.append(self._buf[:start])
+            text.append(self._content(self._buf[:start]))
             end = self._buf.find(END, start)
             if end < 0:
                 self._buf = self._buf[start:]
@@ -131,15 +134,29 @@ class ToolStreamParser:
             self._buf = self._buf[end + len(END):]
             call = parse_block(block[len(START):-len(END)], self.tools)
             if call is None:
-                text.append(block)
+                text.append(self._content(block))
             else:
                 calls.append(call)
+                self._called = True
         return "".join(text), calls
 
     def finish(self) -> str:
-        """The held-back text (an unterminated block is content)."""
-        rest, self._buf = self._buf, ""
-        return rest
+        """The held-back text (an unterminated block is content; trailing whitespace only when
+        no call parsed)."""
+        rest, self._buf = self._content(self._buf), ""
+        space, self._space = ("" if self._called else self._space), ""
+        return rest + space
+
+    def _content(self, piece: str) -> str:
+        """What of `piece` (content text) to send now; its trailing whitespace is held."""
+        piece = self._space + piece
+        body = piece.rstrip()
+        self._space = piece[len(body):]
+        if body and not self._spoke:
+            self._spoke = True
+            if self._called:
+                body = body.lstrip()
+        return body
 
 
 def _partial_suffix(text: str, tag: str) -> int:
