@@ -103,10 +103,10 @@ class ToolStreamParser:
 
     Text that may start a `<tool_call>` tag is held back until it is told apart; a block is
     held until its `</tool_call>`, then sent as one call (a tool_calls delta carrying the
-    whole arguments string) or, if it does not parse, as content. Once a call has parsed, the
-    content is trimmed as a reply that wraps calls should be ("Sure! <tool_call>..." gives
-    "Sure!"): whitespace is held until text follows it and dropped at the end, and the
-    content's leading whitespace is dropped when a call came before any content.
+    whole arguments string) or, if it does not parse, as content. The content around calls
+    is trimmed as it streams ("Sure! \n<tool_call>..." gives "Sure!"): whitespace is held
+    until text follows it, and dropped at the end when a call parsed; leading whitespace is
+    dropped when a call came before any text. A reply without calls keeps all of its text.
     """
 
     def __init__(self, tools: list[dict[str, Any]] | None) -> None:
