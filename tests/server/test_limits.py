@@ -4,6 +4,7 @@ character bound itself against the tokenizer."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import socket
@@ -56,6 +57,44 @@ def test_a_declared_length_over_the_cap_is_refused_before_the_body_is_sent(serve
         while b"\r\n\r\n" not in answer:
             answer += sock.recv(65536)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+
+
+@pytest.mark.parametrize("coding", ["gzip", "GZip", "br", "identity, gzip", "x-custom"])
+def test_a_compressed_body_gets_415_naming_the_coding_and_the_server_keeps_serving(client,
+                                                                                  coding):
+    body = gzip.compress(json.dumps({"prompt": "Hi", "max_tokens": 1}).encode())
+    for route in ("/v1/completions", "/v1/chat/completions", "/v1/cache/flush"):
+        r = client.post(route, content=body, headers={**JSON, "Content-Encoding": coding})
+        error = assert_openai_error(r, 415, "Content-Encoding")
+        assert error == {
+            "message": f"Content-Encoding {coding.split(', ')[-1].lower()!r} is not supported: "
+                       "send the request body uncompressed (no Content-Encoding, or identity)",
+            "type": "invalid_request_error", "param": "Content-Encoding",
+            "code": "unsupported_content_encoding"}
+        assert r.headers["accept-encoding"] == "identity" and r.headers["connection"] == "close"
+    ok = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("coding", ["identity", "IDENTITY", "Identity", ""])
+def test_an_identity_or_empty_content_encoding_is_served_as_a_plain_body(client, coding):
+    body = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
+    r = client.post("/v1/completions", content=body,
+                    headers={**JSON, "Content-Encoding": coding})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1
+
+
+def test_a_compressed_body_is_refused_before_it_is_sent(served):
+    host, port = served.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Encoding: gzip\r\n"
+                     b"Content-Length: 1000\r\n\r\n\x1f")  # 1000 promised, 1 byte sent
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 415"), answer[:200]
 
 
 def test_an_8_mb_prompt_is_refused_by_the_character_bound_not_tokenized(client, served):

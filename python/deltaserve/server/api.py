@@ -4,9 +4,10 @@ Every error answers with the OpenAI error object {"error": {"message", "type", "
 "code"}}: bad requests (validation, malformed JSON, context limit, sampling parameters, a Host
 not allowed) with 400, a missing or wrong API key with 401, a cross-site POST with 403, unknown
 routes with 404, a method the route does not take with 405 (and Allow), a body over the cap
-with 413, a shut-down engine or a request cancelled by the server's shutdown with 503,
-anything unexpected with 500 (the server keeps serving). The schema is served at
-/openapi.json (and /docs); see openapi.py, security.py, limits.py and shutdown.py.
+with 413, a compressed body (a Content-Encoding other than identity) with 415, a shut-down
+engine or a request cancelled by the server's shutdown with 503, anything unexpected with 500
+(the server keeps serving). The schema is served at /openapi.json (and /docs); see
+openapi.py, security.py, limits.py and shutdown.py.
 """
 
 from __future__ import annotations

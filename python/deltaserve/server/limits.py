@@ -1,6 +1,7 @@
 """Input bounds checked before any expensive work: the request-body cap (an ASGI middleware
-answering 413), the per-field caps of the request models, and the prompt character bound
-derived from the context length and the tokenizer's vocabulary.
+answering 413, and 415 for a body in a Content-Encoding other than identity), the per-field
+caps of the request models, and the prompt character bound derived from the context length
+and the tokenizer's vocabulary.
 
 A refused request must cost little and keep nothing: the body cap counts bytes as they arrive
 (a declared Content-Length over the cap is refused before a byte is read), and the character
@@ -13,11 +14,14 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deltaserve.server.errors import error_response
+
+if TYPE_CHECKING:
+    from starlette.responses import Response
 
 logger = logging.getLogger("deltaserve.server")
 
@@ -125,7 +129,10 @@ class BodyLimit:
     route. After the body the route's receive is the server's (it waits for a disconnect).
     A body that stops arriving gets 408 (BODY_IDLE_SECONDS, BODY_MAX_SECONDS).
     A refusal first drops what the client is still sending, within DRAIN_MAX_BYTES and
-    DRAIN_MAX_SECONDS (not when it waits for 100-continue)."""
+    DRAIN_MAX_SECONDS (not when it waits for 100-continue).
+    A POST whose Content-Encoding names a coding other than identity (a gzipped body) gets 415
+    without its body being kept (refused as a 413 is: the routes parse the body as sent, and
+    would call compressed JSON "not valid UTF-8")."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         if max_bytes < 1:
@@ -135,6 +142,10 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        coding = _content_coding(scope) if scope["method"] == "POST" else None
+        if coding is not None:
+            await _unsupported_coding(scope, receive, send, coding)
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
@@ -177,14 +188,21 @@ class BodyLimit:
                       declared: int | None) -> None:
         size = f"{declared} bytes" if declared is not None else f"over {self.max_bytes} bytes"
         logger.info("%s %s -> 413: body of %s", scope.get("method"), scope.get("path"), size)
-        if not _expects_continue(scope):  # else the body is not on its way: leave it unsent
-            await _drain(receive)
-        # the client may still be sending: close the connection rather than read the rest
-        response = error_response(
+        await _refuse_unread(scope, receive, send, error_response(
             413, f"the request body is {size}; this server accepts at most {self.max_bytes} "
-                 "bytes (--max-request-bytes)", code="request_too_large",
-            headers={"Connection": "close"})
-        await response(scope, receive, send)
+                 "bytes (--max-request-bytes)", code="request_too_large"))
+
+
+async def _refuse_unread(scope: Scope, receive: Receive, send: Send,
+                         response: Response) -> None:
+    """Send `response` (with Connection: close) to a request whose body is refused unread,
+    after dropping what the client is still sending (_drain; not when it waits for
+    100-continue: then the body is not on its way)."""
+    if not _expects_continue(scope):
+        await _drain(receive)
+    # the client may still be sending: close the connection rather than read the rest
+    response.headers["Connection"] = "close"
+    await response(scope, receive, send)
 
 
 async def _timed_out(scope: Scope, receive: Receive, send: Send, seen: int) -> None:
@@ -196,6 +214,17 @@ async def _timed_out(scope: Scope, receive: Receive, send: Send, seen: int) -> N
              f"{BODY_IDLE_SECONDS:g} s between bytes and {BODY_MAX_SECONDS:g} s in all)",
         code="request_timeout", headers={"Connection": "close"})
     await response(scope, receive, send)
+
+
+async def _unsupported_coding(scope: Scope, receive: Receive, send: Send,
+                               coding: str) -> None:
+    logger.info("%s %s -> 415: Content-Encoding %s", scope.get("method"), scope.get("path"),
+                coding)
+    # Accept-Encoding on a 415 names the codings a request may use (RFC 9110, 15.5.16)
+    await _refuse_unread(scope, receive, send, error_response(
+        415, f"Content-Encoding {coding!r} is not supported: send the request body "
+             "uncompressed (no Content-Encoding, or identity)", param="Content-Encoding",
+        code="unsupported_content_encoding", headers={"Accept-Encoding": "identity"}))
 
 
 async def _drain(receive: Receive) -> None:
@@ -217,6 +246,19 @@ async def _drain(receive: Receive) -> None:
 def _expects_continue(scope: Scope) -> bool:
     return any(name == b"expect" and value.lower() == b"100-continue"
                for name, value in scope.get("headers", ()))
+
+
+def _content_coding(scope: Scope) -> str | None:
+    """The first content coding other than identity that the request's Content-Encoding
+    headers name (a comma-separated list each, any case), lowercase; None when there is none
+    (the body is sent as is)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-encoding":
+            for coding in value.decode("latin-1").split(","):
+                coding = coding.strip().lower()
+                if coding and coding != "identity":
+                    return coding
+    return None
 
 
 def _content_length(scope: Scope) -> int | None:

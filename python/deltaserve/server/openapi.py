@@ -1,7 +1,7 @@
 """The published schema (/openapi.json, /docs): FastAPI's, made true to what the server does.
 
 FastAPI documents a 422 validation error the server never sends (it answers 400 with the OpenAI
-error object) and knows neither the middlewares' answers (401, 403, 413, Host 400) nor the
+error object) and knows neither the middlewares' answers (401, 403, 413, 415, Host 400) nor the
 non-JSON bodies: SSE streams (each event's data a chunk as JSON, or [DONE]) and Prometheus
 text. `RESPONSES` and `generation_responses` hold the per-route documentation the routes pass
 to their decorators; `DeltaserveAPI.openapi()` drops the 422s, adds the models only the SSE
@@ -27,6 +27,7 @@ _WHY = {
     403: "Cross-site POST refused (Origin or Sec-Fetch-Site of another site)",
     404: "Unknown model",
     413: "Request body over --max-request-bytes",
+    415: "Request body in a Content-Encoding other than identity (gzip, ...)",
     500: "Internal error (the server keeps serving)",
     503: "The engine is stopped or stopping",
 }
@@ -36,7 +37,7 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {**_ERROR, "description": _WHY[code]} for code in codes}
 
 
-_GENERATION = (400, 401, 403, 404, 413, 500, 503)
+_GENERATION = (400, 401, 403, 404, 413, 415, 500, 503)
 
 
 def _sse_event(chunk: type) -> dict[str, Any]:
@@ -80,7 +81,7 @@ RESPONSES: dict[str, dict[int | str, dict[str, Any]]] = {
                               "type": "object", "required": ["flushed", "cache_status"],
                               "properties": {"flushed": {"type": "boolean"},
                                              "cache_status": {"type": "object"}}}}}},
-                    **_errors(400, 401, 403, 500, 503)},
+                    **_errors(400, 401, 403, 415, 500, 503)},
 }
 
 DESCRIPTION = (
