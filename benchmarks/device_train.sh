@@ -3,10 +3,12 @@
 # Needs build/corpus.tar.xz carried (scripts/pack_corpus.sh); the encoded corpus, the chosen
 # variant and the checkpoint stay in /tmp on the machine between calls.
 #   MODE=auto bash benchmarks/device_train.sh     (the same command in each call)
-#       first call: profile each of $VARIANTS (one flag list per line) over 3 steps, keep the
-#       fastest, and train with it until the call's time is nearly up (checkpoint, exit 3);
-#       later calls resume it (exit 3 again while it is unfinished: run it again within 30 s,
-#       before the idle machine is given back). $TRAIN_FLAGS go to every training call.
+#       first call: with several $VARIANTS (one flag list per line), profile each over 3 steps
+#       and keep the fastest (one line: no profile); train with it until the call's time is
+#       nearly up (checkpoint, exit 3); later calls resume it (exit 3 again while it is
+#       unfinished: run it again within 30 s, before the idle machine is given back).
+#       $TRAIN_FLAGS go to every training call. The log grows in OUT/train.log as it runs, and
+#       `timeout` sends the trainer SIGTERM (a checkpoint at the next step) before $CALL_S.
 #   MODE=probe VARIANTS=$'--mtp-fraction 0.25\n--compile inductor' bash benchmarks/device_train.sh
 #       only the profiles (OUT/probe.log, their op tables; OUT/probe.tsv, tokens/s).
 # A finished run leaves in OUT model.safetensors.part-* (files of 15 MB: what comes back) and
@@ -20,9 +22,13 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "tri
       triton.__version__, torch.cuda.get_device_name())
 PY
 # the retraining's architecture (docs/default_model.md, "Retraining"): 17.0 M + 1.9 M MTP
-ARCH="--arch hidden_size=384 --arch linear_num_key_heads=6 --arch linear_num_value_heads=12"
+ARCH=${ARCH:-"--arch hidden_size=384 --arch linear_num_key_heads=6 --arch linear_num_value_heads=12"}
 CALL_S=${CALL_S:-570}  # this call's time limit, less a margin (the device's is 600 s)
-VARIANTS=${VARIANTS:-$'--mtp-fraction 0.25\n--mtp-fraction 0.25 --gdn-solve blocked\n--mtp-fraction 0.25 --gdn-solve blocked --conv shift --compile inductor'}
+# the fastest of the variants profiled on 2026-12-06 (H100): 694k tokens/s against 261k and 265k
+# for `--mtp-fraction 0.25` alone and with `--gdn-solve blocked` (profiler on; that probe took
+# 261 s, most of it the cold compile)
+VARIANTS=${VARIANTS:-'--mtp-fraction 0.25 --gdn-solve blocked --conv shift --compile inductor'}
+FINAL_S=${FINAL_S:-90}  # the final evaluation and save, reserved in the call that ends the run
 run=/tmp/dm_run
 [ -f /tmp/corpus_full/manifest.json ] || { mkdir -p /tmp/corpus_full && tar -xJf build/corpus.tar.xz -C /tmp/corpus_full; }
 COMMON="--corpus /tmp/corpus_full --token-cache /tmp/dm_tokens $ARCH"
@@ -49,27 +55,32 @@ auto)
   resume=""
   if [ -f "$run/checkpoint.pt" ]; then
     resume="--resume"
+  elif [ "$(grep -c . <<< "$VARIANTS")" = 1 ]; then
+    grep . <<< "$VARIANTS" > /tmp/dm_variant
   else
     probe
     [ -s "$OUT/probe.tsv" ] || { echo "no variant ran"; exit 1; }
     sort -rn "$OUT/probe.tsv" | head -1 | cut -f2 > /tmp/dm_variant
   fi
   variant=$(cat /tmp/dm_variant)
-  # training time left in this call: start-up (imports, the cached corpus, the model) and the
-  # final evaluation and save take about 45 s besides
-  stop=$(python3 -c "print(max(1.0, ($CALL_S - $SECONDS - 45) / 60))")
-  echo "== train [$variant] $resume --stop-minutes $stop"
+  # training time left in this call: start-up (imports, the corpus: 25 s more while it is not
+  # encoded yet, the model, the checkpoint) and the checkpoint's save take about 30 s besides
+  startup=35; [ -d /tmp/dm_tokens ] || startup=65
+  stop=$(python3 -c "print(max(1.0, ($CALL_S - $SECONDS - $startup) / 60))")
+  echo "== train [$variant] $resume --stop-minutes $stop --final-seconds $FINAL_S"
   t=$SECONDS
   # shellcheck disable=SC2086  # flag lists
-  python3 scripts/train_default_model.py --out "$run" $COMMON ${TRAIN_FLAGS:-} $variant \
-    --stop-minutes "$stop" $resume > /tmp/train.log 2>&1
+  timeout -s TERM -k 20 $((CALL_S - SECONDS)) python3 scripts/train_default_model.py \
+    --out "$run" $COMMON ${TRAIN_FLAGS:-} $variant --stop-minutes "$stop" \
+    --final-seconds "$FINAL_S" $resume >> "$OUT/train.log" 2>&1
   rc=$?
-  cat /tmp/train.log >> "$OUT/train.log"
-  echo "== train rc=$rc $((SECONDS - t)) s"; grep -vE "^step " /tmp/train.log | tail -20
-  if [ $rc = 0 ]; then
+  [ $rc = 124 ] && [ -f "$run/checkpoint.pt" ] && rc=3  # stopped by the guard's SIGTERM
+  echo "== train rc=$rc $((SECONDS - t)) s"; grep -vE "^step " "$OUT/train.log" | tail -20
+  if [ -f "$run/model.safetensors" ]; then  # the run ended (its evaluation may not have)
     (cd "$run" && sha256sum model.safetensors > sha256 \
       && split -b 15M model.safetensors "$OUT/model.safetensors.part-" \
-      && tar -czf "$OUT/dm_meta.tar.gz" config.json README.md train_log.json sha256 $(ls loss.png 2>/dev/null))
+      && tar -czf "$OUT/dm_meta.tar.gz" $(ls config.json README.md train_log.json sha256 \
+                                             loss.png 2>/dev/null))
     ls -la "$OUT"
   fi
   exit $rc

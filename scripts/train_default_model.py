@@ -24,6 +24,7 @@ import argparse
 import functools
 import json
 import shlex
+import signal
 import sys
 import time
 from contextlib import ExitStack
@@ -91,6 +92,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="after M minutes of training in this process, write OUT/checkpoint.pt "
                          "and exit with status 3 (the device's 10-minute command limit); rerun "
                          "the same command with --resume to go on")
+    ap.add_argument("--final-seconds", type=float, default=0.0, metavar="S",
+                    help="with --stop-minutes: the time the final evaluation and save need; a "
+                         "run that could not fit them before its stop checkpoints before its "
+                         "last step instead (the next call ends it)")
     ap.add_argument("--stop-step", type=int, default=0, metavar="N",
                     help="the same at step N (tests, reproducible splits)")
     ap.add_argument("--resume", action="store_true",
@@ -220,6 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
             stack.enter_context(causal_conv_override(causal_conv1d_shift, model))
         model.train()
         t_train, retry, t20 = time.perf_counter(), None, None
+        t_step, step_s, signalled = t_train, 0.0, []
+        # SIGTERM (the device script's guard on a call's time) checkpoints at the next step
+        stack.callback(signal.signal, signal.SIGTERM,
+                       signal.signal(signal.SIGTERM, lambda *_: signalled.append(True)))
         while step < args.max_steps:
             lr = lr_at(step, args.max_steps, args.lr, args.warmup, args.min_lr_ratio)
             if retry is None:
@@ -253,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
                                      "grad_norm": r.grad_norm, "lr": lr, "elapsed_s": elapsed})
                 print(f"step {step:5d} loss {r.loss:.4f} main {r.main:.4f} "
                       f"mtp {[round(m, 3) for m in r.mtp]} lr {lr:.2e} {elapsed:.0f}s", flush=True)
-            if step == 20:
+            if step == 20 and not trained_before:
                 t20 = elapsed
                 print(f"throughput {20 * tokens_per_step / elapsed:,.0f} tokens/s (first 20 "
                       f"steps, with warm-up)", flush=True)
@@ -277,8 +286,11 @@ def main(argv: list[str] | None = None) -> dict:
             if not args.resume and elapsed > args.max_minutes * 60:
                 print(f"stopping at step {step}: --max-minutes {args.max_minutes} reached")
                 break
-            if step < args.max_steps and (step == args.stop_step or args.stop_minutes and
-                                          elapsed - trained_before > args.stop_minutes * 60):
+            now = time.perf_counter()
+            step_s, t_step = now - t_step, now
+            if step < args.max_steps and (step == args.stop_step or signalled or checkpoint_due(
+                    step, args.max_steps, now - t_train, step_s, args.stop_minutes * 60,
+                    args.final_seconds)):
                 save_checkpoint(ckpt, model, opt, {
                     "run": run_key, "step": step, "max_steps": args.max_steps, "log": log,
                     "micro_batches": args.micro_batches, "trained_s": elapsed})
@@ -286,14 +298,19 @@ def main(argv: list[str] | None = None) -> dict:
                       f"--resume to go on", flush=True)
                 return {"checkpoint": str(ckpt), "step": step}
         train_seconds = trained_before + time.perf_counter() - t_train
+        # the weights first: a call cut short in the evaluation still leaves them
+        t = time.perf_counter()
+        size = save_hf_folder(model, out, args.tokenizer)
+        print(f"weights saved ({time.perf_counter() - t:.1f}s)", flush=True)
+        t = time.perf_counter()
         final = evaluate(model, held_ids, **eval_kw)
     log["eval"].append({"step": step, **final})
     log["final"] = final
     print(f"held-out: loss {final['loss']:.4f} ppl {final['ppl']:.2f} "
-          f"mtp {final['mtp_loss']} draft1 agreement {final['draft1_agreement']:.3f}", flush=True)
+          f"mtp {final['mtp_loss']} draft1 agreement {final['draft1_agreement']:.3f} "
+          f"({time.perf_counter() - t:.1f}s)", flush=True)
 
     ckpt.unlink(missing_ok=True)
-    size = save_hf_folder(model, out, args.tokenizer)
     cfg = model.lm.config
     arch = (f"{cfg.num_hidden_layers} layers ({cfg.layer_types.count('linear_attention')} Gated "
             f"DeltaNet, {cfg.layer_types.count('full_attention')} full attention), hidden "
@@ -310,6 +327,19 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"saved {out} ({size / 1e6:.1f} MB safetensors, plot {'yes' if plotted else 'no'}) "
           f"in {(time.perf_counter() - t_start) / 60:.1f} min", flush=True)
     return final
+
+
+def checkpoint_due(step: int, max_steps: int, call_s: float, step_s: float, stop_s: float,
+                   final_s: float) -> bool:
+    """Whether a run with --stop-minutes (stop_s seconds; 0 = never) should checkpoint now,
+    after `step` of `max_steps`, call_s seconds into this call's training, the last step having
+    taken step_s: its time is up, or one more step would end the run too late for the final
+    evaluation and save (final_s seconds) to fit before the stop."""
+    if not stop_s:
+        return False
+    if call_s > stop_s:
+        return True
+    return step == max_steps - 1 and call_s + step_s + final_s > stop_s
 
 
 def run_identity(args: argparse.Namespace, manifest: dict) -> dict:

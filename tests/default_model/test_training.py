@@ -187,3 +187,27 @@ def test_tokenize_split_reuses_its_cache_and_a_changed_shard_misses_it(tmp_path,
     shard.write_text(shard.read_text().splitlines()[0] + "\n")  # one document left
     fewer = training.tokenize_split(tok, str(corpus), "train", cache)
     assert fewer.numel() < want.numel() and len(list(cache.glob("tokens-train-*.pt"))) == 2
+
+
+def test_checkpoint_due_stops_at_the_time_or_before_a_last_step_whose_save_would_not_fit():
+    spec = importlib.util.spec_from_file_location("train_default_model", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    due = script.checkpoint_due
+    assert not due(5, 10, call_s=1e9, step_s=1.0, stop_s=0.0, final_s=0.0)  # no --stop-minutes
+    assert due(5, 10, call_s=100.5, step_s=1.0, stop_s=100.0, final_s=0.0)
+    assert not due(5, 10, call_s=99.0, step_s=1.0, stop_s=100.0, final_s=50.0)
+    # before the last step: it ends at 61 s, its save needs 40 more, past the stop at 100 s
+    assert due(9, 10, call_s=60.0, step_s=1.0, stop_s=100.0, final_s=40.0)
+    assert not due(9, 10, call_s=58.0, step_s=1.0, stop_s=100.0, final_s=40.0)
+
+
+def test_a_run_whose_final_save_cannot_fit_checkpoints_before_its_last_step(tmp_path):
+    script, arch = tiny_run(tmp_path)
+    flags = ["--corpus", str(tmp_path / "corpus"), "--out", str(tmp_path / "m"), "--max-steps",
+             "3", "--batch-size", "2", "--seq-len", "64", "--warmup", "1", "--eval-tokens", "256",
+             *arch]
+    got = script.main([*flags, "--stop-minutes", "60", "--final-seconds", "7200"])
+    assert got == {"checkpoint": str(tmp_path / "m" / "checkpoint.pt"), "step": 2}
+    assert "loss" in script.main([*flags, "--resume"])
+    assert (tmp_path / "m" / "model.safetensors").exists()
