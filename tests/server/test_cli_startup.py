@@ -5,12 +5,14 @@ the weights load."""
 from __future__ import annotations
 
 import io
+import signal
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
-from deltaserve.server.cli import build_parser, main
+from deltaserve.server.cli import build_parser, interrupt_held, main
 
 
 @pytest.fixture
@@ -94,3 +96,54 @@ def test_version_prints_the_installed_package_version(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out == f"deltaserve {version('deltaserve')}\n"
+
+
+def test_a_held_ctrl_c_is_raised_when_the_block_ends_and_a_second_one_at_once():
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT has another handler here")
+    ran = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupt_held():
+            signal.raise_signal(signal.SIGINT)
+            ran.append("after the first")
+    assert ran == ["after the first"]
+    with pytest.raises(KeyboardInterrupt):
+        with interrupt_held():
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+            ran.append("after the second")
+    assert ran == ["after the first"]
+    with interrupt_held():
+        ran.append("no Ctrl-C")
+    assert ran[-1] == "no Ctrl-C"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# Sends Ctrl-C to itself when `module` is first imported, then runs the command.
+_INTERRUPTED_AT = textwrap.dedent("""
+    import signal, sys
+
+    class CtrlCAt:
+        def find_spec(self, name, path=None, target=None):
+            if name == sys.argv[1]:
+                sys.meta_path.remove(self)
+                signal.raise_signal(signal.SIGINT)
+
+    sys.meta_path.insert(0, CtrlCAt())
+    from deltaserve.server.cli import main
+    sys.exit(main(sys.argv[2:]))
+""")
+
+
+@pytest.mark.parametrize("module", [
+    "numpy",  # imported by torch's C extension as it loads, which dropped the interrupt
+    "torch._meta_registrations",  # torch's exit hooks printed FakeTensor INFO lines
+])
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["generate", "hi"]])
+def test_ctrl_c_inside_the_torch_import_exits_130_with_only_the_short_message(tmp_path, module,
+                                                                              command):
+    script = tmp_path / "interrupted.py"
+    script.write_text(_INTERRUPTED_AT)
+    done = subprocess.run([sys.executable, str(script), module, *command, "--device", "cpu"],
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", "\ndeltaserve: interrupted\n")

@@ -9,11 +9,14 @@ without touching this file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
+import signal
 import socket
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 from deltaserve.config import SPECULATIVE_ALGORITHMS, SPECULATIVE_POLICIES, EngineConfig
 from deltaserve.server.security import add_server_flags, server_options, warn_if_open
@@ -227,6 +230,7 @@ def _add_log_level(command: argparse.ArgumentParser) -> None:
 def _make_engine(args: argparse.Namespace):
     """LLMEngine from the flags; a bad flag or checkpoint exits with one clear line, what
     config.json and the flags alone tell before the engine's modules and the weights load."""
+    _import_torch()
     from deltaserve.engine.preflight import check_config
 
     try:
@@ -331,6 +335,7 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    _import_torch()  # before the server's modules, which import it
     import uvicorn
 
     from deltaserve.server.api import build_app
@@ -356,6 +361,41 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+@contextlib.contextmanager
+def interrupt_held() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) while the body runs: the first one is raised as KeyboardInterrupt
+    when the body ends, a second one at once (as without this). Does nothing outside the main
+    thread or when SIGINT has a handler other than Python's default (ignored: nohup)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    held = []
+
+    def hold(signum: int, frame) -> None:
+        held.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
+
+
+def _import_torch() -> None:
+    """Import torch with Ctrl-C held (interrupt_held): call it before any module that imports
+    torch. An interrupt inside torch's import is not safe. Inside the numpy import that torch's
+    C extension runs as it loads, torch drops the KeyboardInterrupt: the import succeeds and
+    start-up goes on to serve. Later, after torch's modules registered their exit hooks but
+    before torch set its loggers' levels, the hooks print INFO lines (FakeTensor cache stats)
+    through the root logger as the process exits."""
+    with interrupt_held():
+        import torch  # noqa: F401
 
 
 def main(argv: Sequence[str] | None = None) -> int:
