@@ -309,28 +309,41 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
   }
 }
 
-// Merge blocks: one per (output row, kMergeCols columns). With M the largest of the row's
-// split log-sum-exps and w_s = 2^(lse_s - M), out = sum_s w_s part_s / sum_s w_s. Every warp
-// finds M itself (its lanes read the log-sum-exps 32 apart, then a butterfly: no barrier);
-// thread (group, column word) then adds w_s part_s over splits group, group + kMergeGroups, ...:
-// loads that depend on nothing before them, so a thread has all of its count / kMergeGroups in
-// flight at once. (An online-softmax fold chains each split's rescale through the last one: at
-// B = 1, 32k, ~200 splits took ~9 us.) The groups' sums fold through shared memory, the one
-// barrier. Requests with one split are skipped (the attention kernel wrote them).
-constexpr int kMergeVec = 4;                                    // columns per thread (float4)
-constexpr int kMergeColThreads = 8;                             // threads across a block's columns
-constexpr int kMergeCols = kMergeVec * kMergeColThreads;        // 32 columns a block
-constexpr int kMergeGroups = 32;                                // threads across the splits
-constexpr int kMergeThreads = kMergeColThreads * kMergeGroups;  // 256
+// Merge blocks: one per (output row, kMergeThreads / Groups * kMergeVec columns). With M the
+// largest of the row's split log-sum-exps and w_s = 2^(lse_s - M), out = sum_s w_s part_s /
+// sum_s w_s. Every warp finds M itself (its lanes read the log-sum-exps 32 apart, then a
+// butterfly: no barrier); thread (group, column word) then adds w_s part_s over splits group,
+// group + Groups, ...: loads that depend on nothing before them, so a thread has all of its
+// count / Groups in flight at once. (An online-softmax fold chains each split's rescale
+// through the last one: at B = 1, 32k, ~200 splits took ~9 us.) The groups' sums fold through
+// shared memory, the one barrier. Requests with one split are skipped (the attention kernel
+// wrote them). Groups follows the grid's split count (merge_groups): 32 groups over 32
+// columns when there are many splits; with 4 splits, 28 of those 32 groups would have nothing
+// to do, in 8x the blocks needed, so fewer groups then cover more columns a block.
+constexpr int kMergeVec = 4;        // columns per thread (float4)
+constexpr int kMergeThreads = 256;  // a block
+constexpr int kMergeMaxGroups = 32;
 
-template <typename T>
+template <int Groups>
+constexpr int kMergeCols = kMergeThreads / Groups * kMergeVec;  // columns a block
+
+// The fewest thread groups (a power of two, 4..32) that still take every split of a
+// max_splits grid at once, and no fewer than a D-column row allows (kMergeCols <= D).
+inline int merge_groups(int max_splits, int D) {
+  int g = 4;
+  while (g < kMergeMaxGroups && (g < max_splits || kMergeThreads / g * kMergeVec > D)) g *= 2;
+  return g;
+}
+
+template <typename T, int Groups>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const PagedAttnParams p) {
-  __shared__ __align__(16) float o_s[kMergeGroups][kMergeCols];
-  __shared__ float w_s[kMergeGroups];
+  constexpr int kColThreads = kMergeThreads / Groups, kCols = kMergeCols<Groups>;
+  __shared__ __align__(16) float o_s[Groups][kCols];
+  __shared__ float w_s[Groups];
   grid_dependency_wait();  // the partial outputs of the attention kernel before
-  const int chunks = p.D / kMergeCols;
+  const int chunks = p.D / kCols;
   const int64_t row = blockIdx.x / chunks;
-  const int col0 = static_cast<int>(blockIdx.x % chunks) * kMergeCols;
+  const int col0 = static_cast<int>(blockIdx.x % chunks) * kCols;
   const int n = static_cast<int>(row / (int64_t(p.R) * p.Hq));
   const int len = usable_len(p.kv_lens[n], p.page_size, p.max_pages);
   const int count = split_plan(len, p.max_splits).count;
@@ -341,12 +354,12 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const PagedAttnPar
   for (int s = tid % kWarp; s < count; s += kWarp) mx = fmaxf(mx, lse[s]);
 #pragma unroll
   for (int off = kWarp / 2; off > 0; off >>= 1) mx = fmaxf(mx, shfl_xor(mx, off));
-  const int cw = tid % kMergeColThreads, grp = tid / kMergeColThreads;
+  const int cw = tid % kColThreads, grp = tid / kColThreads;
   const float* part = p.part_o + row * p.max_splits * p.D + col0 + cw * kMergeVec;
   float acc[kMergeVec] = {0.f, 0.f, 0.f, 0.f};
   float wsum = 0.f;
 #pragma unroll 4
-  for (int s = grp; s < count; s += kMergeGroups) {
+  for (int s = grp; s < count; s += Groups) {
     const float ls = lse[s];
     const float4 v = *reinterpret_cast<const float4*>(part + int64_t(s) * p.D);
     // a split whose positions this row sees none of has lse -inf: weight 0
@@ -361,15 +374,21 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const PagedAttnPar
   for (int e = 0; e < kMergeVec; ++e) o_s[grp][cw * kMergeVec + e] = acc[e];
   if (cw == 0) w_s[grp] = wsum;
   __syncthreads();
-  if (tid >= kMergeCols) return;
+  if (tid >= kCols) return;
   float sum = 0.f, total = 0.f;
 #pragma unroll 8
-  for (int g = 0; g < kMergeGroups; ++g) {
+  for (int g = 0; g < Groups; ++g) {
     sum = fadd(sum, o_s[g][tid]);
     total = fadd(total, w_s[g]);
   }
   static_cast<T*>(p.out)[row * p.D + col0 + tid] =
       from_float<T>(total > 0.f ? fdiv(sum, total) : 0.f);
+}
+
+template <typename T, int Groups>
+inline ds_error_t launch_merge(const PagedAttnParams& p, ds_stream_t stream) {
+  return launch(merge_kernel<T, Groups>, int64_t(p.N) * p.R * p.Hq * (p.D / kMergeCols<Groups>),
+                kMergeThreads, stream, Pdl::kOn, p);
 }
 
 // One thread per 16-byte word of the new rows' K and V.
@@ -433,8 +452,12 @@ inline ds_error_t launch_paged_attention_d(const PagedAttnParams& p, ds_stream_t
   // both with PDL: at a small batch the launch gaps, not the bytes, are most of the time
   const ds_error_t err = launch(paged_attn_kernel<T, D>, grid, kThreads, stream, Pdl::kOn, p);
   if (err != DS_SUCCESS || p.max_splits == 1) return err;
-  return launch(merge_kernel<T>, int64_t(p.N) * p.R * p.Hq * (D / kMergeCols), kMergeThreads,
-                stream, Pdl::kOn, p);
+  switch (merge_groups(p.max_splits, D)) {
+    case 4: return launch_merge<T, 4>(p, stream);
+    case 8: return launch_merge<T, 8>(p, stream);
+    case 16: return launch_merge<T, 16>(p, stream);
+    default: return launch_merge<T, kMergeMaxGroups>(p, stream);
+  }
 }
 
 // The attention of every row, then (max_splits > 1) the merge. p.heads_per_block and

@@ -85,6 +85,28 @@ def test_multi_tile_splits_match_the_reference(lens, rows, hq, hkv, d, page_size
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1.6e-2)
 
 
+MERGE_CASES = [  # lens, rows, hq, hkv, d, page_size, max_kv_len: the grid's split count
+    # (max_kv_len / 32 here) picks the merge's thread groups, each block max(4, 1024 / D) ..
+    # 32 groups over 1024 / groups columns (merge_groups)
+    ([128, 100], 4, 8, 2, 256, 16, 128),  # 4 splits: 4 groups over a whole 256-column row
+    ([96, 0, 61], 1, 8, 2, 256, 16, 96),  # 3 splits: 4 groups; a padding request
+    ([200, 33], 4, 8, 2, 256, 8, 200),  # 7 splits: 8 groups over half a row
+    ([250, 33], 1, 4, 1, 128, 16, 256),  # 8 splits: 8 groups over a whole 128-column row
+    ([384, 70], 2, 4, 2, 128, 16, 384),  # 12 splits: 16 groups over half a row
+    ([64, 40], 4, 4, 2, 64, 16, 64),  # 2 splits at D 64: 16 groups, the fewest a row allows
+]
+
+
+@pytest.mark.parametrize("lens,rows,hq,hkv,d,page_size,max_kv_len", MERGE_CASES)
+def test_the_merge_of_few_splits_matches_the_reference(lens, rows, hq, hkv, d, page_size,
+                                                        max_kv_len):
+    q, kc, vc, table, kv_lens = paged_case(lens, rows, hq, hkv, d, page_size, torch.bfloat16,
+                                           q_scale=PEAK, seed=max_kv_len)
+    got = paged_attention(q, kc, vc, table, kv_lens, d ** -0.5, max_kv_len)
+    want = paged_attention_ref(q, kc, vc, table, kv_lens, d ** -0.5, max_kv_len)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1.6e-2)
+
+
 def test_kv_append_kernel_equals_the_reference_bit_for_bit():
     q, kc, vc, table, kv_lens = paged_case([9, 16, 0], 2, 4, 2, 128, 8, torch.bfloat16)
     k = torch.randn(6, 2, 128).bfloat16()
