@@ -70,6 +70,15 @@ def test_batch_sizes_change_the_split_plan_not_the_answer(batch):
     _check(q, kc, vc, table, kv_lens, max_len=9001)
 
 
+@pytest.mark.parametrize("d,max_len", [(256, 96), (256, 200), (128, 256), (128, 384), (64, 64)])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_few_splits_merge_in_wider_blocks(d, max_len, rows):
+    """max_len / 32 splits (3 .. 12): the merge's 4, 8 or 16 thread groups (merge_groups)."""
+    q, kc, vc, table, kv_lens = paged_case([max_len, 33, 0], rows, 8, 2, d, 16, torch.bfloat16,
+                                           DEV, seed=max_len, q_scale=PEAK)
+    _check(q, kc, vc, table, kv_lens, max_len=max_len)
+
+
 def test_one_graph_serves_every_length():
     rows, page_size = 4, 16
     q, kc, vc, table, kv_lens = paged_case([MAX_LEN - 8] * 4, rows, 8, 2, 256, page_size,
