@@ -12,7 +12,8 @@ import textwrap
 
 import pytest
 
-from deltaserve.server.cli import build_parser, interrupt_held, main
+from deltaserve.server.cli import build_parser, main
+from deltaserve.server.cli_exit import interrupt_held
 
 
 @pytest.fixture
@@ -148,3 +149,21 @@ def test_ctrl_c_inside_an_import_at_start_up_exits_130_with_only_the_short_messa
     done = subprocess.run([sys.executable, str(script), module, *command, "--device", "cpu"],
                           capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (130, "", "\ndeltaserve: interrupted\n")
+
+
+def test_generate_stops_quietly_when_its_reader_leaves_and_names_a_failed_write():
+    """`generate ... | head`: exit 141 (a process killed by SIGPIPE), no traceback; stdout on a
+    full disk: one error line, exit 1."""
+    cmd = [sys.executable, "-m", "deltaserve.server.entry", "generate", "def f():",
+           "--max-tokens", "64", "--ignore-eos", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(1)  # the first streamed text, then the reader leaves
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 141
+    err = proc.stderr.read().decode()  # the loading log lines, then nothing
+    assert "Traceback" not in err and "Error" not in err
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.endswith(
+        "\ndeltaserve: error: cannot write the output: [Errno 28] No space left on device\n")

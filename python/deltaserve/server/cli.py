@@ -9,16 +9,14 @@ without touching this file.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import logging
-import signal
 import socket
 import sys
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from deltaserve.config import SPECULATIVE_ALGORITHMS, SPECULATIVE_POLICIES, EngineConfig
+from deltaserve.server.cli_exit import OutputError, import_torch, output_failed
 from deltaserve.server.security import add_server_flags, server_options, warn_if_open
 
 logger = logging.getLogger("deltaserve.server")
@@ -153,7 +151,8 @@ def _as_flag(message: str) -> str:
 EXIT_STATUS = ("exit status: 0 done; 1 an error, in one line 'deltaserve: error: ...' (a flag "
                "value out of range, the checkpoint, the device, a prompt); 2 a usage error, "
                "with the usage line (an unknown flag, a value of the wrong type or not among "
-               "a flag's choices, no prompt given); 130 interrupted (Ctrl-C). serve: 0 "
+               "a flag's choices, no prompt given); 130 interrupted (Ctrl-C); 141 generate's "
+               "reader left (a closed pipe, as `| head`). serve: 0 "
                "after Ctrl-C's graceful shutdown; SIGTERM ends it by that signal after the "
                "same shutdown (status 143 in a shell)")
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
@@ -230,7 +229,7 @@ def _add_log_level(command: argparse.ArgumentParser) -> None:
 def _make_engine(args: argparse.Namespace):
     """LLMEngine from the flags; a bad flag or checkpoint exits with one clear line, what
     config.json and the flags alone tell before the engine's modules and the weights load."""
-    _import_torch()
+    import_torch()
     from deltaserve.engine.preflight import check_config
 
     try:
@@ -308,16 +307,20 @@ def _run_generate(engine, args: argparse.Namespace, prompts: list[str], params) 
               f"context length", file=sys.stderr)
     texts = {rid: "" for rid in rids}
     live = len(rids) == 1  # a single prompt streams to stdout as it is generated
-    while engine.has_unfinished():
-        for out in engine.step():
-            texts[out.rid] += out.new_text
-            if live:
-                print(out.new_text, end="", flush=True)
-    if live:
-        print()
-        return 0
-    for n, (prompt, rid) in enumerate(zip(prompts, rids, strict=True)):
-        print(f"=== [{n}] {prompt}\n{texts[rid]}")
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                texts[out.rid] += out.new_text
+                if live:
+                    print(out.new_text, end="", flush=True)
+        if live:
+            print(flush=True)
+            return 0
+        for n, (prompt, rid) in enumerate(zip(prompts, rids, strict=True)):
+            print(f"=== [{n}] {prompt}\n{texts[rid]}")
+        sys.stdout.flush()
+    except OSError as e:  # stdout closed (`| head`) or full: not the engine's error
+        raise OutputError(e) from e
     return 0
 
 
@@ -335,7 +338,7 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    _import_torch()  # before the server's modules, which import it
+    import_torch()  # before the server's modules, which import it
     import uvicorn
 
     from deltaserve.server.api import build_app
@@ -363,41 +366,6 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-@contextlib.contextmanager
-def interrupt_held() -> Iterator[None]:
-    """Hold Ctrl-C (SIGINT) while the body runs: the first one is raised as KeyboardInterrupt
-    when the body ends, a second one at once (as without this). Does nothing outside the main
-    thread or when SIGINT has a handler other than Python's default (ignored: nohup)."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    held = []
-
-    def hold(signum: int, frame) -> None:
-        held.append(signum)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    signal.signal(signal.SIGINT, hold)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if held:
-        raise KeyboardInterrupt
-
-
-def _import_torch() -> None:
-    """Import torch with Ctrl-C held (interrupt_held): call it before any module that imports
-    torch. An interrupt inside torch's import is not safe. Inside the numpy import that torch's
-    C extension runs as it loads, torch drops the KeyboardInterrupt: the import succeeds and
-    start-up goes on to serve. Later, after torch's modules registered their exit hooks but
-    before torch set its loggers' levels, the hooks print INFO lines (FakeTensor cache stats)
-    through the root logger as the process exits."""
-    with interrupt_held():
-        import torch  # noqa: F401
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level,
@@ -407,6 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad flags, checkpoint or device: one line
         print(f"deltaserve: error: {_as_flag(str(e))}", file=sys.stderr)
         return 1  # as SystemExit(message) gives; 2 stays argparse's usage errors
+    except OutputError as e:
+        return output_failed(e)
     except KeyboardInterrupt:  # Ctrl-C during loading or generate: no traceback
         print("\ndeltaserve: interrupted", file=sys.stderr)
         return 130
