@@ -215,7 +215,11 @@ def test_malformed_requests_are_400_and_unknown_routes_404(client):
     assert "application/x-www-form-urlencoded" in assert_openai_error(form, 400, None)["message"]
     as_text = client.post("/v1/completions", content=b'{"prompt": "Hi"}',
                           headers={"content-type": "text/plain"})
-    assert "not text/plain" in assert_openai_error(as_text, 400, None)["message"]
+    assert "(not text/plain)" in assert_openai_error(as_text, 400, None)["message"]
+    untyped = client.post("/v1/completions", content=b'{"prompt": "Hi"}',
+                          headers={"content-type": ""})
+    assert assert_openai_error(untyped, 400, None)["message"].endswith(
+        "sent as Content-Type: application/json (the request has none)")
     array = client.post("/v1/completions", json=["Hi"])
     assert "not an array" in assert_openai_error(array, 400, None)["message"]
     for field, value in [("max_tokens", True), ("max_tokens", "3"), ("top_k", True),

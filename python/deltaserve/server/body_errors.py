@@ -60,8 +60,9 @@ def validation_message(exc: RequestValidationError,
         return "the request body is empty: send a JSON object", None
     if param is None and tuple(first.get("loc", ())) == ("body",):
         if content_type.split(";")[0].strip().lower() != "application/json":
+            sent = f"not {content_type}" if content_type else "the request has none"
             return ("the request body must be a JSON object sent as Content-Type: "
-                    f"application/json, not {content_type or 'no Content-Type'}"), None
+                    f"application/json ({sent})"), None
         return ("the request body must be a JSON object, not "
                 f"{_json_kind(first.get('input'))}"), None
     if tag is not None:
