@@ -51,7 +51,8 @@ class ServerMetrics:
         self.cached_tokens = Counter("deltaserve_cached_prompt_tokens",
                                      "Prompt tokens served from the prefix cache", registry=r)
         self.inflight = Gauge("deltaserve_server_requests_inflight",
-                              "Requests the server is waiting on", registry=r)
+                              "Engine requests the server is waiting on (one per choice: "
+                              "a request with n = 4 counts 4)", registry=r)
         self._cache = {name: Gauge(f"deltaserve_{name}", help_, registry=r)
                        for name, (help_, _) in _CACHE_GAUGES.items()}
 
