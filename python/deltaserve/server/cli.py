@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from deltaserve.config import SPECULATIVE_ALGORITHMS, SPECULATIVE_POLICIES, EngineConfig
-from deltaserve.server.cli_exit import OutputError, import_torch, output_failed
+from deltaserve.server.cli_exit import OutputError, import_torch, interrupted, output_failed
 from deltaserve.server.security import add_server_flags, server_options, warn_if_open
 
 logger = logging.getLogger("deltaserve.server")
@@ -378,8 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OutputError as e:
         return output_failed(e)
     except KeyboardInterrupt:  # Ctrl-C during loading or generate: no traceback
-        print("\ndeltaserve: interrupted", file=sys.stderr)
-        return 130
+        return interrupted()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""How the `deltaserve` command meets the process around it: Ctrl-C held while torch imports
-(interrupt_held, import_torch), and a stdout that fails under `generate` (OutputError,
-output_failed)."""
+"""How the `deltaserve` command meets the process around it: Ctrl-C (interrupted, and held while
+torch imports: interrupt_held, import_torch), and a stdout that fails under `generate`
+(OutputError, output_failed). Standard library only: the console script's entry imports it
+before the CLI's own modules."""
 
 from __future__ import annotations
 
@@ -10,6 +11,12 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+
+
+def interrupted() -> int:
+    """Say that Ctrl-C ended the command, in one line on stderr; its exit status (130)."""
+    print("\ndeltaserve: interrupted", file=sys.stderr)
+    return 130
 
 
 @contextlib.contextmanager

@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from deltaserve.server.cli_exit import interrupted  # standard library only: cheap
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI (cli.main) on argv (default sys.argv[1:]); its exit status. A Ctrl-C while
@@ -14,8 +16,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from deltaserve.server.cli import main as cli_main
     except KeyboardInterrupt:
-        print("\ndeltaserve: interrupted", file=sys.stderr)
-        return 130
+        return interrupted()
     return cli_main(argv)
 
 
