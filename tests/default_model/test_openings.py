@@ -18,6 +18,7 @@ from deltaserve.default_model.openings import (
     leaked_openings,
     load_openings,
     select_openings,
+    validation_openings,
 )
 
 SAMPLE = '''\
@@ -80,6 +81,17 @@ def test_selection_is_seeded_one_per_file_first_and_sorted():
     assert chosen == sorted(chosen, key=lambda c: (c["path"], c["line"]))
     with pytest.raises(ValueError, match="candidate"):
         select_openings(docs, n=4 * 3 + 1)
+
+
+def test_validation_openings_are_every_other_candidate_in_source_order():
+    docs = [SourceFile(f"f{i}.py", SAMPLE) for i in range(3)]
+    fixed = select_openings(docs, n=4, seed=2)
+    rest = validation_openings(docs, fixed)
+    every = [c for d in docs for c in file_candidates(d)]
+    assert len(rest) == len(every) - 4 == 5
+    assert not {(o["path"], o["qualname"]) for o in fixed} & {(o["path"], o["qualname"])
+                                                              for o in rest}
+    assert sorted(rest + fixed, key=lambda c: (c["path"], c["line"])) == every
 
 
 def test_stored_openings_are_held_out_function_openings():

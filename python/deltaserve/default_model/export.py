@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -32,6 +33,43 @@ def save_hf_folder(model: TrainModel, out_dir: str | os.PathLike, tokenizer_dir:
     for name in TOKENIZER_FILES:
         shutil.copyfile(Path(tokenizer_dir) / name, out / name)
     return path.stat().st_size
+
+
+# flags that split a run over device calls; a run stopped and resumed saves the weights of one
+# never stopped (tested), so the card's command leaves them out
+_CALL_FLAGS = {"--stop-minutes": 1, "--final-seconds": 1, "--stop-step": 1, "--resume": 0}
+
+
+def run_command(command: str) -> str:
+    """`command` without the flags that only split the run over calls (_CALL_FLAGS)."""
+    words, out = shlex.split(command), []
+    i = 0
+    while i < len(words):
+        flag = words[i].split("=", 1)[0]
+        if flag in _CALL_FLAGS:
+            i += 1 + (_CALL_FLAGS[flag] if "=" not in words[i] else 0)
+            continue
+        out.append(words[i])
+        i += 1
+    return shlex.join(out)
+
+
+def extra_corpus_text(corpus: dict) -> str:
+    """The model card's paragraph on the extra training split: every package, its version and
+    license (grouped by license), sizes and what was dropped; "" without one."""
+    extra, split = corpus.get("extra"), corpus["splits"].get("extra")
+    if not extra or not split:
+        return ""
+    by_license: dict[str, list[str]] = {}
+    for pkg in extra["packages"].values():
+        by_license.setdefault(pkg["license"], []).append(f"{pkg['dist']} {pkg['version']}")
+    groups = "; ".join(f"{lic}: {', '.join(sorted(names, key=str.lower))}"
+                       for lic, names in sorted(by_license.items()))
+    dropped = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in extra["dropped"].items())
+    return (f"\n\nAlso in training: the `*.py` files of {len(extra['packages'])} permissively "
+            f"licensed packages ({split['n_files']} files / {split['n_bytes'] / 1e6:.1f} MB, "
+            f"SHA-256 `{extra['sha256']}`; files dropped: {dropped}), each under its own "
+            f"license as its metadata states: {groups}.")
 
 
 def model_card(info: dict) -> str:
@@ -65,14 +103,15 @@ The Python {c["python_version"]} standard library source and its tests (`*.py`, 
 {train["n_files"]} files / {train["n_bytes"] / 1e6:.1f} MB for training and {held["n_files"]}
 files / {held["n_bytes"] / 1e6:.2f} MB held out (by a hash of the file path,
 {c["held_out_per_10k"] / 100:g}%). Corpus SHA-256 `{c["sha256"]}`.
-The corpus is licensed under the {LICENSE}; these weights are released under Apache-2.0.
+The standard library is licensed under the {LICENSE}.{extra_corpus_text(c)}
+These weights are released under Apache-2.0.
 
 ## Training
 {info["steps"]} steps, {info["tokens"] / 1e6:.1f} M tokens, {info["seconds"] / 60:.1f} min on
 {info["device"]}; next-token cross-entropy plus MTP cross-entropy (the MTP head predicts token
 i+2 from embed(t_(i+1)) and the final hidden state h_i, and recursively beyond). Command:
 
-    {info["command"]}
+    {run_command(info["command"])}
 
 ## Held-out results ({f["tokens"]} tokens)
 - next-token loss {f["loss"]:.4f} nats/token, perplexity {f["ppl"]:.2f}

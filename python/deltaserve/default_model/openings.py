@@ -150,6 +150,17 @@ def select_openings(
     return sorted(chosen, key=lambda c: (c["path"], c["line"]))
 
 
+def validation_openings(docs: Iterable[SourceFile] | None = None,
+                        fixed: list[dict] | None = None) -> list[dict]:
+    """Every candidate opening of the held-out files except the fixed ones, sorted by (path,
+    line): generation settings (a repetition penalty) are chosen on these, so the fixed 20
+    stay a test set. docs: as in select_openings; fixed: default load_openings()."""
+    if docs is None:
+        docs = held_out_docs()
+    taken = {(o["path"], o["qualname"]) for o in (load_openings() if fixed is None else fixed)}
+    return [c for d in docs for c in file_candidates(d) if (c["path"], c["qualname"]) not in taken]
+
+
 def _stdlib() -> str:
     from deltaserve.default_model.corpus import default_stdlib_dir
 
