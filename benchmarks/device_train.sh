@@ -21,8 +21,8 @@ import torch, transformers, triton
 print("torch", torch.__version__, "transformers", transformers.__version__, "triton",
       triton.__version__, torch.cuda.get_device_name())
 PY
-# the retraining's architecture (docs/default_model.md, "Retraining"): 17.0 M + 1.9 M MTP
-ARCH=${ARCH:-"--arch hidden_size=384 --arch linear_num_key_heads=6 --arch linear_num_value_heads=12"}
+# config.py's architecture (17.0 M + 1.9 M MTP) unless ARCH="--arch KEY=VALUE ..." overrides it
+ARCH=${ARCH:-}
 CALL_S=${CALL_S:-570}  # this call's time limit, less a margin (the device's is 600 s)
 # the fastest of the variants profiled on 2026-12-06 (H100): 694k tokens/s against 261k and 265k
 # for `--mtp-fraction 0.25` alone and with `--gdn-solve blocked` (profiler on; that probe took

@@ -21,5 +21,5 @@ done
 py=${PYTHON:-.venv/bin/python}
 "$py" scripts/eval_default_model.py --model "$dest" --token-healing --mtp-k 3 \
   --out "$dest/eval.json" | tail -12 || true
-"$py" scripts/eval_default_model.py --model "$dest" --token-healing --repetition-penalty 1.2 \
-  --mtp-k 3 --out "$dest/eval_rp12.json" | tail -12 || true
+"$py" scripts/eval_default_model.py --model "$dest" --token-healing --repetition-penalty 1.1 \
+  --mtp-k 3 --out "$dest/eval_rp11.json" | tail -12 || true

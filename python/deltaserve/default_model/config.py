@@ -1,9 +1,10 @@
 """The default model's architecture: a small Qwen3.5-style hybrid (`qwen3_5_text`).
 
 8 decoder layers in the Qwen3.5 pattern of 3 Gated DeltaNet layers per full-attention layer
-(layers 3 and 7 are full attention), hidden 256, SwiGLU MLP 1024, one MTP layer; about 10.5 M
-parameters plus 1.3 M in the MTP head (~24 MB in bf16). The same config serves the random
-stand-in (`build.py`) and the trained model (`scripts/train_default_model.py`).
+(layers 3 and 7 are full attention), hidden 384, SwiGLU MLP 1024, one MTP layer; 17.0 M
+parameters plus 1.9 M in the MTP head (37.7 MB in bf16). The same config serves the random
+stand-in (`build.py`) and the trained model (`scripts/train_default_model.py`). Until
+2026-12-06 the shipped model was hidden 256 with 4 / 8 GDN heads (10.5 M + 1.2 M).
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from deltaserve.default_model.tokenizer import MODEL_MAX_LENGTH, SPECIAL_TOKENS,
 FULL_ATTENTION_INTERVAL = 4  # 3 GDN layers, then one full-attention layer
 
 ARCH: dict[str, Any] = {
-    "hidden_size": 256,
+    "hidden_size": 384,
     "intermediate_size": 1024,
     "num_hidden_layers": 8,
     # full attention: gated q_proj, q/k RMSNorm, partial RoPE on 64 * 0.25 = 16 dims
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 64,
-    # Gated DeltaNet: H = 4 key heads, HV = 8 value heads, K = V = 32, conv width 4
-    "linear_num_key_heads": 4,
-    "linear_num_value_heads": 8,
+    # Gated DeltaNet: H = 6 key heads, HV = 12 value heads, K = V = 32, conv width 4
+    "linear_num_key_heads": 6,
+    "linear_num_value_heads": 12,
     "linear_key_head_dim": 32,
     "linear_value_head_dim": 32,
     "linear_conv_kernel_dim": 4,
