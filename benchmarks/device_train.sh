@@ -9,6 +9,11 @@
 #       unfinished: run it again within 30 s, before the idle machine is given back).
 #       $TRAIN_FLAGS go to every training call. The log grows in OUT/train.log as it runs, and
 #       `timeout` sends the trainer SIGTERM (a checkpoint at the next step) before $CALL_S.
+#   MODE=stage bash benchmarks/device_train.sh   (carry build/corpus_parts/part-XX, PARTS and
+#       SHA256SUMS; one call per part, in PARTS order, on one warm machine)
+#       when the corpus with the tree is over the 64 MiB a call carries (scripts/pack_corpus.sh
+#       splits it): each call appends its part; the one that completes the SHA-256 unpacks it,
+#       and MODE=auto calls then need no corpus carried.
 #   MODE=probe VARIANTS=$'--mtp-fraction 0.25\n--compile inductor' bash benchmarks/device_train.sh
 #       only the profiles (OUT/probe.log, their op tables; OUT/probe.tsv, tokens/s).
 # A finished run leaves in OUT model.safetensors.part-* (files of 15 MB: what comes back) and
@@ -16,6 +21,24 @@
 # with scripts/unpack_default_model.sh.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
+stage() {  # append the carried parts in PARTS order; unpack once they add up to the corpus
+  local name dir=build/corpus_parts
+  [ -f $dir/PARTS ] && [ -f $dir/SHA256SUMS ] || { echo "carry $dir/PARTS and SHA256SUMS"; exit 1; }
+  while read -r name; do  # earlier calls' parts may still be on the machine, or not
+    grep -qx "$name" /tmp/corpus_staged 2>/dev/null && continue  # a repeated call adds nothing
+    [ -f "$dir/$name" ] || break  # a later part waits for this one
+    cat "$dir/$name" >> /tmp/corpus.tar.xz && echo "$name" >> /tmp/corpus_staged
+  done < $dir/PARTS
+  [ -f /tmp/corpus_staged ] || { echo "no part staged: carry $(head -1 $dir/PARTS) first"; exit 1; }
+  echo "staged $(paste -sd, /tmp/corpus_staged): $(stat -c %s /tmp/corpus.tar.xz) bytes"
+  if (cd /tmp && sha256sum -c --status "$OLDPWD/build/corpus_parts/SHA256SUMS"); then
+    rm -rf /tmp/corpus_full && mkdir -p /tmp/corpus_full \
+      && tar -xJf /tmp/corpus.tar.xz -C /tmp/corpus_full && echo "corpus unpacked" && exit 0
+    echo "unpacking failed"; exit 1
+  fi
+  echo "not complete yet: carry the next part of $(paste -sd, $dir/PARTS)"
+}
+[ "${MODE:-auto}" = stage ] && { stage; exit 0; }
 python3 - <<'PY'
 import torch, transformers, triton
 print("torch", torch.__version__, "transformers", transformers.__version__, "triton",
@@ -30,7 +53,10 @@ CALL_S=${CALL_S:-570}  # this call's time limit, less a margin (the device's is 
 VARIANTS=${VARIANTS:-'--mtp-fraction 0.25 --gdn-solve blocked --conv shift --compile inductor'}
 FINAL_S=${FINAL_S:-90}  # the final evaluation and save, reserved in the call that ends the run
 run=/tmp/dm_run
-[ -f /tmp/corpus_full/manifest.json ] || { mkdir -p /tmp/corpus_full && tar -xJf build/corpus.tar.xz -C /tmp/corpus_full; }
+if [ ! -f /tmp/corpus_full/manifest.json ]; then
+  [ -f build/corpus.tar.xz ] || { echo "no corpus: carry build/corpus.tar.xz or stage its parts"; exit 1; }
+  mkdir -p /tmp/corpus_full && tar -xJf build/corpus.tar.xz -C /tmp/corpus_full
+fi
 COMMON="--corpus /tmp/corpus_full --token-cache /tmp/dm_tokens $ARCH"
 
 probe() {  # profile each variant; print "tokens/s<TAB>variant" lines to $OUT/probe.tsv
