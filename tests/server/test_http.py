@@ -108,6 +108,29 @@ def test_a_streamed_completion_concatenates_to_the_non_streamed_text(client):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
+    request = {"prompt": "Once upon a time", "max_tokens": 6, "n": 2, **GREEDY}
+    full = client.post("/v1/completions", json=request).json()
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    with client.stream("POST", "/v1/completions",
+                       json={**request, "stream": True, "stream_options": options}) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == full["usage"]
+    chunks = events[:-2]
+    for chunk in chunks:
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == full["usage"]["prompt_tokens"]
+        assert 1 <= usage["completion_tokens"] <= full["usage"]["completion_tokens"] == 12
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert chunks[-1]["usage"] == full["usage"]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts)
+    with client.stream("POST", "/v1/completions",  # without include_usage: no usage at all
+                       json={**request, "stream": True,
+                             "stream_options": {"continuous_usage_stats": True}}) as r:
+        assert all(e == "[DONE]" or e["usage"] is None for e in sse_events(r))
+
+
 def test_chat_applies_the_template_and_streams_role_then_content(client, served):
     request = {"model": served.model, "max_tokens": 6, **GREEDY,
                "messages": [{"role": "system", "content": "Be brief."},

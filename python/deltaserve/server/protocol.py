@@ -57,6 +57,8 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    # vLLM's extension: with include_usage, every chunk also carries the usage so far
+    continuous_usage_stats: StrictBool = False
 
 
 # vLLM request extensions deltaserve does not implement; set to anything but their default
@@ -112,6 +114,10 @@ class _GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def check_supported(self) -> None:
         """Raise InvalidRequest for fields the engine cannot honour."""

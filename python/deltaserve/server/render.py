@@ -61,10 +61,11 @@ class Choice:
 
 
 def usage(choices: list[Choice]) -> Usage:
-    """One prompt (counted once), every choice's completion tokens."""
-    first = choices[0].last
-    return Usage.of(first.prompt_tokens, sum(c.last.completion_tokens for c in choices),
-                    first.cached_tokens)
+    """One prompt (counted once), every choice's completion tokens: so far, while streaming
+    (choices with no output yet count none). At least one choice has an output."""
+    outs = [c.last for c in choices if c.last is not None]
+    return Usage.of(outs[0].prompt_tokens, sum(o.completion_tokens for o in outs),
+                    outs[0].cached_tokens)
 
 
 class _Renderer:

@@ -285,6 +285,8 @@ class OpenAIServing:
             try:
                 async for i, out in _merged(streams):
                     for chunk in renderer.chunks(rid, choices[i], out):
+                        if body.continuous_usage:
+                            chunk.usage = usage(choices)
                         yield sse(chunk)
                 if body.include_usage and done():
                     yield sse(chunk_type(id=rid, model=model, choices=[], usage=usage(choices)))
