@@ -123,8 +123,11 @@ def test_a_method_a_route_does_not_take_is_405_with_allow(client):
 
 @pytest.mark.parametrize("header,name", [("localhost:8000", "localhost"),
                                          ("[::1]:8000", "::1"), ("Example.COM", "example.com"),
-                                         ("::1", "::1"), ("", "")])
-def test_the_host_name_drops_the_port_and_case(header, name):
+                                         ("::1", "::1"), ("", ""),
+                                         ("localhost.:8000", "localhost"),
+                                         ("Example.com.", "example.com"), (".", ""),
+                                         ("evil..", "evil..")])
+def test_the_host_name_drops_the_port_case_and_final_dot(header, name):
     assert host_name(header) == name
 
 
@@ -150,7 +153,7 @@ def test_a_loopback_address_matches_an_allowed_loopback_address_but_no_name_does
 def test_the_default_hosts_follow_the_bind_address():
     assert ServerOptions.for_bind("127.0.0.1").allowed_hosts == ("localhost", "127.0.0.1", "::1")
     assert ServerOptions.for_bind("0.0.0.0").allowed_hosts == ("*",)
-    given = ServerOptions.for_bind("0.0.0.0", allowed_hosts=["A.example, b.example", "c"])
+    given = ServerOptions.for_bind("0.0.0.0", allowed_hosts=["A.example, b.example.", "c"])
     assert given.allowed_hosts == ("a.example", "b.example", "c")
     assert is_loopback("::1") and is_loopback("localhost") and not is_loopback("0.0.0.0")
 

@@ -73,7 +73,7 @@ class ServerOptions:
         separated entries are split), else the loopback names for a loopback bind and any name
         otherwise. Raises ValueError for an empty key, a cap under 1 KiB or an empty list."""
         if allowed_hosts:
-            hosts = tuple(h.strip().lower() for item in allowed_hosts for h in item.split(",")
+            hosts = tuple(host_name(h) for item in allowed_hosts for h in item.split(",")
                           if h.strip())
         else:
             hosts = LOOPBACK_NAMES if is_loopback(bind_host) else ("*",)
@@ -95,12 +95,14 @@ def _loopback_address(name: str) -> bool:
 
 
 def host_name(host_header: str) -> str:
-    """The name part of a Host header value, lowercase: "[::1]:8000" -> "::1"."""
+    """The name part of a Host header value, lowercase, without the fully qualified form's
+    final dot (RFC 1034 3.1: "localhost." names "localhost"): "[::1]:8000" -> "::1"."""
     value = host_header.strip().lower()
     if value.startswith("["):
         return value[1:value.find("]")] if "]" in value else value
     name, sep, port = value.rpartition(":")
-    return name if sep and port.isdigit() and ":" not in name else value
+    name = name if sep and port.isdigit() and ":" not in name else value
+    return name[:-1] if name.endswith(".") and not name.endswith("..") else name
 
 
 def host_allowed(name: str, allowed: tuple[str, ...]) -> bool:
