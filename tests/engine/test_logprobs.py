@@ -72,13 +72,15 @@ def test_logprobs_are_off_unless_asked_and_bounded(checkpoint):
 
 
 def test_logprobs_of_accepted_drafts_come_from_their_own_verify_rows():
-    """The embedded default model repeats code, so n-gram drafts are accepted: tokens 1..k of a
-    verify step take their logprobs from verify rows 1..k (within 1e-5 of the reference)."""
+    """The embedded default model repeats a line after this prompt (the shipped model of
+    2026-12-06 writes `#     print(f"    {i}")` three times), so n-gram drafts are accepted:
+    tokens 1..k of a verify step take their logprobs from verify rows 1..k (within 1e-5 of the
+    reference)."""
     from deltaserve.default_model import default_model_path
 
     llm = LLM(None, device="cpu", dtype="float32", speculative_algorithm="ngram",
               speculative_num_steps=3, speculative_policy="fixed", num_pages=256)
-    prompt = llm.tokenizer.encode("    if cmd is None:\n        return None\n" * 2)
+    prompt = llm.tokenizer.encode("for i in range(10):\n")
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, logprobs=2,
                                                 ignore_eos=True))[0]
     assert llm.engine.acceptance_length > 1.0  # some rows past the first were committed

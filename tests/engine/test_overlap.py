@@ -5,6 +5,7 @@ included), and no page or slot leaks. Run on CPU through the fixed-shape step (o
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -156,14 +157,28 @@ def test_a_finish_on_the_grid_caches_no_stale_snapshot(ckpt, finish):
     assert_drained(over)
 
 
+def first_seen_at(text: str, at: int, size: int = 4) -> str:
+    """A `size`-character piece of `text` whose first occurrence starts at or after `at`."""
+    return next(text[i:i + size] for i in range(at, len(text) - size)
+                if text.find(text[i:i + size]) == i)
+
+
 def test_stop_strings_on_the_default_model_give_the_synchronous_text():
     prompts = ['def is_prime(n):\n    """Return True when n is a prime number."""\n',
                "import os\nimport sys\n\n\nclass Config:\n", "for i in range(10):\n"]
-    params = [SamplingParams(temperature=0.0, max_tokens=32, stop=["\n\n", "prime prime"]),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=32, stop=[":\n"]),
+    params = [SamplingParams(temperature=0.0, max_tokens=32),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=32),
               SamplingParams(temperature=0.0, max_tokens=32)]  # length (or EOS)
     sync, over = make_engine(None, overlap=False), make_engine(None, overlap=True)
     ids = [sync.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    # stop strings from each request's own free text (a seeded draw depends only on the seed
+    # and the position), a third and two thirds in, so requests 0 and 1 stop at different steps
+    free = drive(make_engine(None, overlap=False),
+                 {0: [add(i, ids[i], params[i]) for i in range(2)]})
+    for i, share in ((0, 1 / 3), (1, 2 / 3)):
+        text = free[i].text
+        params[i] = dataclasses.replace(
+            params[i], stop=[first_seen_at(text, int(share * len(text))), "prime prime"])
     script = {0: [add(i, ids[i], params[i]) for i in range(3)]}
     want, got = drive(sync, script), drive(over, script)
     for rid in want:
