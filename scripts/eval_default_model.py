@@ -4,6 +4,8 @@
     python scripts/eval_default_model.py --model /tmp/dm --out build/eval.json
     python scripts/eval_default_model.py --token-healing --repetition-penalty 1.1
     python scripts/eval_default_model.py --mtp-k 0            # skip the MTP acceptance run
+    python scripts/eval_default_model.py --openings validation --repetition-penalty 1.1
+                                        # the 72 other held-out candidates: choose settings
 
 Greedy completions of --max-tokens (96) tokens for each opening, bare and + "\\n", cut at the
 function's end and scored (python/deltaserve/default_model/evaluate.py has the rules); prints
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--openings", choices=("fixed", "validation"), default="fixed",
                     help="fixed: the 20 test openings; validation: the other held-out "
                     "candidates (72 on CPython 3.11.7), for choosing settings such as "
-                    "--repetition-penalty (the thresholds are the fixed set's, per 20)")
+                    "--repetition-penalty (totals only: the issue's thresholds count out of the 20)")
     args = ap.parse_args(argv)
 
     from deltaserve.llm import LLM
