@@ -12,8 +12,10 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 hash=$(cat setup.py $(find csrc cmake -type f -not -path "*__pycache__*" | LC_ALL=C sort) | sha1sum | cut -c1-12)
 # a cached extension may travel xz-compressed (2.8 MB against 17: the tree with the default
 # model's weights is 41 MB of the 64 MiB a call carries): $OUT's ext_<hash>/*.so.xz as it came back
-for xz_so in build/ext_cache/*/*.so.xz; do
-  [ -f "$xz_so" ] && [ ! -f "${xz_so%.xz}" ] && xz -dk "$xz_so"
+for h in $hash ${REF_EXT:-}; do  # only the two this call can use
+  for xz_so in build/ext_cache/$h/*.so.xz; do
+    [ -f "$xz_so" ] && [ ! -f "${xz_so%.xz}" ] && xz -dk "$xz_so"
+  done
 done
 so=$(ls build/ext_cache/$hash/*.so 2>/dev/null | head -1)
 if [ -n "$so" ]; then
