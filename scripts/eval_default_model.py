@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--openings", choices=("fixed", "validation"), default="fixed",
                     help="fixed: the 20 test openings; validation: the other held-out "
                     "candidates (72 on CPython 3.11.7), for choosing settings such as "
-                    "--repetition-penalty (totals only: the issue's thresholds count out of the 20)")
+                    "--repetition-penalty (totals only: the issue's thresholds count out of "
+                    "the 20)")
     args = ap.parse_args(argv)
 
     from deltaserve.llm import LLM
