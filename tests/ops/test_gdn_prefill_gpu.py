@@ -1,6 +1,7 @@
 """gdn_chunk_prefill on CUDA (fla-core's stages called one by one): bit for bit fla's public
 chunk_gated_delta_rule, a chained sequence bit for bit a second call from its predecessor's
-final state, close to the torch reference, and no host synchronisation in a call."""
+final state, close to the torch reference, the layers of a forward replayed bit for bit, and no
+host synchronisation in a call."""
 
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def test_prefill_matches_the_torch_reference(chained):
     torch.testing.assert_close(final, final_ref, atol=2e-2, rtol=2e-2)
 
 
-def test_a_prefill_call_never_waits_for_the_device():
+def test_a_prefill_call_never_waits_for_the_device(monkeypatch):
+    monkeypatch.setenv("DS_PREFILL_GRAPH_TOKENS", "8192")
     h, hv, kd = 16, 16, 128
     bounds = [0, 192, 256, 300]
     q, k, v, a, b, A_log, dt_bias = inputs(bounds[-1], h, hv, kd, seed=7)
@@ -88,8 +90,64 @@ def test_a_prefill_call_never_waits_for_the_device():
     gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, h0, index, kd ** -0.5)  # autotune first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
-    try:
-        gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, h0, index, kd ** -0.5)
+    try:  # the second call captures the pipeline (ops/chunk_graph.py), the third replays it
+        for _ in range(2):
+            gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, h0, index, kd ** -0.5)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def _layer_inputs(t: int, m: int, seed: int):
+    h, hv, kd = 16, 16, 128
+    return (*inputs(t, h, hv, kd, seed=seed), random_state(m, hv, kd, kd, seed=seed + 1,
+                                                           device=DEV))
+
+
+@pytest.mark.parametrize("qk_normalized", [True, False])
+@pytest.mark.parametrize(("bounds", "chained"), [([0, 256], None), ([0, 1, 101, 164, 250], None),
+                                                 ([0, 77, 141, 333], [False, False, True])])
+def test_the_layers_after_the_first_replay_the_bits_of_eager_calls(bounds, chained,
+                                                                   qk_normalized, monkeypatch):
+    """One forward's index over five 'layers' of fresh inputs: the first runs eagerly, the
+    second captures, the rest replay (ops/chunk_graph.py); each gives the bits of a call
+    with replays off, and a call's outputs survive the calls after it."""
+    monkeypatch.setenv("DS_PREFILL_GRAPH_TOKENS", "8192")
+    m = len(bounds) - 1
+    index = PrefillIndex.build(bounds, chained, device=DEV)
+    layers = [_layer_inputs(bounds[-1], m, seed=20 + 2 * i) for i in range(5)]
+    scale = 128 ** -0.5
+    got = [gdn_chunk_prefill(*x, index, scale, qk_normalized=qk_normalized) for x in layers]
+    (call,) = index.graphs.values()
+    assert call.graph is not None and call.calls == 5
+    monkeypatch.setenv("DS_PREFILL_GRAPH_TOKENS", "0")
+    for x, (o, final) in zip(layers, got):
+        o_eager, final_eager = gdn_chunk_prefill(*x, PrefillIndex.build(bounds, chained,
+                                                                        device=DEV),
+                                                 scale, qk_normalized=qk_normalized)
+        assert torch.equal(o, o_eager)
+        assert torch.equal(final, final_eager)
+
+
+def test_a_forward_past_the_token_limit_runs_eagerly(monkeypatch):
+    monkeypatch.setenv("DS_PREFILL_GRAPH_TOKENS", "255")
+    index = PrefillIndex.build([0, 256], device=DEV)
+    for i in range(3):
+        gdn_chunk_prefill(*_layer_inputs(256, 1, seed=40 + 2 * i), index, 128 ** -0.5)
+    assert index.graphs == {}
+
+
+def test_forwards_one_after_another_reuse_the_replay_memory(monkeypatch):
+    """Each forward captures its own graph; a dropped forward's graph memory goes back to the
+    shared pool and the next capture takes it again, so reserved memory stops growing."""
+    monkeypatch.setenv("DS_PREFILL_GRAPH_TOKENS", "8192")
+    reserved = []
+    for _ in range(6):
+        index = PrefillIndex.build([0, 200, 320], device=DEV)
+        for i in range(3):
+            gdn_chunk_prefill(*_layer_inputs(320, 2, seed=60 + 2 * i), index, 128 ** -0.5)
+        assert next(iter(index.graphs.values())).graph is not None
+        del index
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved())
+    assert reserved[-1] == reserved[1], reserved

@@ -27,12 +27,13 @@ sequence on, started from wave 1's final states; the per-chunk stages run once. 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from deltaserve.ops import _checks as checks
+from deltaserve.ops import chunk_graph
 from deltaserve.ops.gdn import _check_state, _heads, _l2norm, gdn_gates
 from deltaserve.ops.gdn_chunk import CHUNK, chunk_gated_delta_ref
 
@@ -65,6 +66,7 @@ class PrefillIndex:
     cu_seqlens int64 [M+1], chunk_indices int64 [NT, 2] ((sequence, chunk within it) per
     64-token chunk: fla's `prepare_chunk_indices`), chunk_offsets int64 [M+1] (each sequence's
     first chunk: fla's `prepare_chunk_offsets`), all on the device; waves when any is chained.
+    graphs: the forward's replayed pipelines (ops/chunk_graph.py), filled by the GDN layers.
     """
 
     bounds: tuple[int, ...]
@@ -73,6 +75,7 @@ class PrefillIndex:
     chunk_indices: torch.Tensor
     chunk_offsets: torch.Tensor
     waves: Waves | None
+    graphs: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -150,15 +153,33 @@ def gdn_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         checks.shape(name, t, (v.shape[1],))
     if q.is_cuda:
-        from fla.modules.norm.l2norm import l2norm_fwd
+        if chunk_graph.eligible(index.num_tokens, v):
+            # the layers after the first replay the first's launches (ops/chunk_graph.py); the
+            # pipeline reads a copy of the index without the graphs (no reference cycle)
+            inputs = (q, k, v, a, b, A_log, dt_bias, initial_state)
+            key = (scale, qk_normalized, *((x.shape, x.dtype) for x in inputs))
 
-        if not qk_normalized:
-            q, k = l2norm_fwd(q.contiguous())[0], l2norm_fwd(k.contiguous())[0]
-        beta = torch.sigmoid(b.float()).contiguous()
-        return _fla_pipeline(q.contiguous(), k.contiguous(), v.contiguous(), beta, scale,
-                             initial_state.contiguous(), index, gate=(a, A_log, dt_bias))
+            def make():
+                plain = replace(index, graphs={})
+                return lambda *xs: _fla_call(*xs, scale, plain, qk_normalized)
+
+            return chunk_graph.replayed(index.graphs, key, make, inputs)
+        return _fla_call(q, k, v, a, b, A_log, dt_bias, initial_state, scale, index,
+                         qk_normalized)
     return gdn_chunk_prefill_ref(q, k, v, a, b, A_log, dt_bias, initial_state, index, scale,
                                  qk_normalized=qk_normalized)
+
+
+def _fla_call(q, k, v, a, b, A_log, dt_bias, initial_state, scale: float,
+              index: PrefillIndex, qk_normalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """gdn_chunk_prefill on CUDA, through fla-core's stages."""
+    from fla.modules.norm.l2norm import l2norm_fwd
+
+    if not qk_normalized:
+        q, k = l2norm_fwd(q.contiguous())[0], l2norm_fwd(k.contiguous())[0]
+    beta = torch.sigmoid(b.float()).contiguous()
+    return _fla_pipeline(q.contiguous(), k.contiguous(), v.contiguous(), beta, scale,
+                         initial_state.contiguous(), index, gate=(a, A_log, dt_bias))
 
 
 def gdn_chunk_prefill_ref(q, k, v, a, b, A_log, dt_bias, initial_state, index: PrefillIndex,

@@ -1,0 +1,124 @@
+"""Replay one prefill forward's GDN chunk pipeline as a CUDA graph from its second layer on.
+
+Why: fla-core's chunk stages are Triton kernels, and each launch goes through Triton's Python
+launcher, fla's autotune cache and dispatch wrappers. On an H100 (session 36) a 256-token
+prompt's first token takes 29 ms with the device busy 9% of it; under cProfile the 108 Triton
+launches of its 18 GDN layers are 28 of the 58 ms the profiled call took (1.5 ms a layer).
+Every GDN layer of a forward runs the pipeline on the same shapes and the same `PrefillIndex`,
+so the launches of one layer can be recorded once and replayed for the others: the inputs are
+copied into static buffers, the graph replays, the outputs are copied out.
+
+Per forward and per input signature (shapes, dtypes): the first call runs eagerly on the static
+buffers (Triton compiles and autotunes there, for exactly the pointers and sizes the capture
+will see: a capture may not compile or benchmark), the second captures and replays, the later
+ones only replay. The results must be bitwise the eager pipeline's (the same kernels on the
+same inputs), which tests/ops/test_gdn_prefill_gpu.py asserts. The capture runs on a side
+stream without the synchronize and garbage collection of `torch.cuda.graph` (a stall the
+prefill would feel); replays run on the caller's stream, after its copies. Every capture
+allocates from one memory pool per device that lives as long as the process
+(`torch.cuda.MemPool`): a forward's graph frees its blocks to that pool when the forward is
+dropped and the next forward's capture takes them again (without the shared pool, each dead
+graph's memory would stay reserved until an allocation failed and the allocator synchronised to
+free it). Reuse is safe in stream order: every replay runs on the caller's stream, so the old
+graph's has been queued before the new.
+
+`DS_PREFILL_GRAPH_TOKENS` is the largest forward, in tokens, that is replayed (0: off): the
+copies in and out cost device time in proportion to the tokens (about 0.1 ms a layer at 8,192
+tokens on the 0.8B config, an estimate from the bytes), the launches they replace a fixed host
+time a layer. A capture that fails turns replays off for the process (eager from then on).
+
+Off by default for now: this path was written in session 36, which got no device time to run
+its GPU tests or measure it. The next device call runs tests/ops/test_gdn_prefill_gpu.py and
+`STEPS="gputests envab" ENV_AB=DS_PREFILL_GRAPH_TOKENS=8192 bash benchmarks/device_call.sh`; if
+they pass and it wins, the default becomes 8192 (the engine's max_num_batched_tokens)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from deltaserve.ops import _ext
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 0  # off until measured on a GPU (module doc)
+_MOST_TOKENS = 1 << 20
+_state = {"failed": False}
+_side_streams: dict[int, torch.cuda.Stream] = {}
+_pools: dict[int, torch.cuda.MemPool] = {}
+
+
+def max_tokens() -> int:
+    """DS_PREFILL_GRAPH_TOKENS: the largest forward (tokens) whose pipeline is replayed; 0 off.
+    Raises ValueError on a value that is not an integer in 0..2^20."""
+    return _ext.count_from_env("DS_PREFILL_GRAPH_TOKENS", DEFAULT_MAX_TOKENS, _MOST_TOKENS)
+
+
+def eligible(num_tokens: int, sample: torch.Tensor) -> bool:
+    """Whether a forward of `num_tokens` rows on `sample`'s device may replay its pipeline."""
+    return (sample.is_cuda and not _state["failed"] and 0 < num_tokens <= max_tokens()
+            and hasattr(torch.cuda, "MemPool") and not torch.cuda.is_current_stream_capturing())
+
+
+class ReplayedCall:
+    """`fn(*inputs)` over fixed-shape CUDA tensors: eager on the first call, captured on the
+    second, replayed after (see the module doc). `fn` must return a tuple of tensors and may
+    not sync the host. Each call returns fresh tensors (copies of the graph's outputs), so the
+    caller's contract is that of `fn` itself."""
+
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]],
+                 inputs: tuple[torch.Tensor, ...]) -> None:
+        self.fn = fn
+        self.static = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device)
+                            for x in inputs)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.calls = 0
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        for s, x in zip(self.static, inputs, strict=True):
+            s.copy_(x)
+        self.calls += 1
+        if self.calls == 1 or _state["failed"]:
+            return self.fn(*self.static)
+        if self.graph is None and not self._capture():
+            return self.fn(*self.static)
+        self.graph.replay()
+        return tuple(o.clone() for o in self.outputs)
+
+    def _capture(self) -> bool:
+        device = self.static[0].device
+        if device.index not in _side_streams:
+            _side_streams[device.index] = torch.cuda.Stream(device)
+            with torch.cuda.device(device):
+                _pools[device.index] = torch.cuda.MemPool()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(_side_streams[device.index]):
+                graph.capture_begin(pool=_pools[device.index].id,
+                                    capture_error_mode="thread_local")
+                try:
+                    outputs = self.fn(*self.static)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as e:  # e.g. a kernel that syncs the host: eager from now on
+            _state["failed"] = True
+            logger.warning("prefill pipeline replay off: its capture failed (%s)",
+                           str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return False
+        self.graph, self.outputs = graph, tuple(outputs)
+        return True
+
+
+def replayed(cache: dict, key: tuple, make: Callable[[], Callable[..., tuple[torch.Tensor, ...]]],
+             inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """`fn(*inputs)` through the ReplayedCall that `cache` (one forward's) holds for `key`,
+    made on first use with `fn = make()`. `fn` closes over everything but `inputs` that it
+    reads; those must stay the same, and alive, for as long as `cache` lives (and must not
+    reference `cache`: the graphs would then wait for the garbage collector)."""
+    call = cache.get(key)
+    if call is None:
+        call = cache[key] = ReplayedCall(make(), inputs)
+    return call(*inputs)
