@@ -93,6 +93,16 @@ has profmtpov && TAILN=12 run profmtpov 170 python3 benchmarks/profile_step.py -
 has stepoff && DS_GEMV_MAX_ROWS=0 run stepoff 90 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --disable-overlap-schedule --out "$LOGS/stepoff.json"
 has e2e08 && TAILN=30 run e2e08 ${E2E_T:-240} python3 benchmarks/bench_e2e.py --vocab 248320 --profile --out "$LOGS/e2e08.json"
 has e2edef && TAILN=20 run e2edef 150 python3 benchmarks/bench_e2e.py --model default --out "$LOGS/e2edef.json"
+# same-call A/B of an environment setting of this tree: bench_e2e on the 0.8B config and the
+# default model with $ENV_AB (e.g. "DS_PREFILL_GRAPH_TOKENS=0") set ("set") and not ("unset"),
+# in turn, twice each (ENVAB_ARMS: another order or count; ENVAB_DEF=0: the 0.8B config only)
+if has envab; then
+  i=0; for arm in ${ENVAB_ARMS:-set unset set unset}; do
+    i=$((i + 1)); envs=(); [ $arm = set ] && read -ra envs <<< "${ENV_AB:?}"
+    TAILN=4 run "e2e08_$arm$i" 120 env "${envs[@]}" python3 benchmarks/bench_e2e.py --vocab 248320 --out "$LOGS/e2e08_$arm$i.json"
+    [ "${ENVAB_DEF:-1}" = 1 ] && TAILN=4 run "e2edef_$arm$i" 120 env "${envs[@]}" python3 benchmarks/bench_e2e.py --model default --out "$LOGS/e2edef_$arm$i.json"
+  done
+fi
 # same-call A/B of python-only changes: the default model under build/ab/ref's python (made by
 # `bash benchmarks/ab_prepare.sh <commit>`; it shares this extension, so csrc must be the same)
 # and under HEAD's, twice each in turn (this host-bound model's runs vary up to 2x)
