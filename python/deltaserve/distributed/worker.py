@@ -274,6 +274,11 @@ def worker_main(cfg: EngineConfig, rank: int, size: int, port: int, conn: Connec
     from deltaserve.distributed.engine import TPEngine
 
     logging.basicConfig(level=logging.WARNING)
+    # tqdm's default lock is a multiprocessing semaphore, which a worker that is stopped hard
+    # (os._exit, a signal) leaves behind: Python's resource_tracker then warns at exit
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     # the ranks share the host's cores
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     link = WorkerLink(conn, timeout_s)
@@ -293,6 +298,18 @@ def worker_main(cfg: EngineConfig, rank: int, size: int, port: int, conn: Connec
         try:
             msg.apply(engine)
         except BaseException:
-            logger.error("tensor-parallel rank %d: %s failed, exiting:\n%s", rank,
-                         type(msg).__name__, traceback.format_exc())
+            if not _rank0_gone():  # else its exit broke the collective: nothing to report
+                logger.error("tensor-parallel rank %d: %s failed, exiting:\n%s", rank,
+                             type(msg).__name__, traceback.format_exc())
             os._exit(1)
+
+
+def _rank0_gone(wait_s: float = 1.0) -> bool:
+    """Whether rank 0 (this worker's parent) has exited, waiting up to `wait_s` for it: a
+    signal that ends rank 0 mid-step breaks the step's collective here a moment before the
+    parent's exit is visible."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return False
+    parent.join(wait_s)
+    return not parent.is_alive()
