@@ -113,6 +113,28 @@ def test_shutdown_fails_requests_in_flight_and_refuses_new_ones(tiny_model):
     assert not engine.has_unfinished()
 
 
+class ClosingEngine(CountingEngine):
+    """An engine with close() (as a tensor-parallel engine has: it stops the workers)."""
+
+    closed_on: list[str]
+
+    def close(self) -> None:
+        import threading
+
+        self.closed_on.append(threading.current_thread().name)
+
+
+def test_shutdown_closes_an_engine_that_has_close_on_the_loop_thread(tiny_model):
+    """A tensor-parallel engine's workers stop with the server, not at the interpreter's exit
+    (where their ends were logged as a failed rank)."""
+    engine = ClosingEngine(make_engine(tiny_model))
+    engine.closed_on = []
+    async_engine = AsyncEngine(engine)
+    loop_thread = async_engine._thread.name
+    async_engine.shutdown()
+    assert engine.closed_on == [loop_thread]
+
+
 class LeakingEngine:
     """The real engine, whose next step leaks one KV page and then raises (a step that fails
     half-way through its bookkeeping), or only raises (leak=False)."""

@@ -304,4 +304,12 @@ class AsyncEngine:
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(EngineDeadError("the engine was shut down"))
         self._fail_all(EngineDeadError("the engine was shut down"))
+        # tensor parallel: stop the worker processes here, on the engine's thread; left to the
+        # interpreter's exit, their ends read as a failure ("a tensor-parallel rank exited")
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                logger.exception("stopping the tensor-parallel workers failed")
         logger.info("engine thread stopped")
