@@ -73,10 +73,10 @@ def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
         fold: bool = True, policy: str = "fixed", mtp_graphs: bool = True,
         overlap_verify: bool = False) -> dict:
     kw = {}
-    if algo is not None:
+    if algo is not None:  # "plain": the adaptive engine with every decode step forced plain
         kw = dict(speculative_algorithm=algo, speculative_num_steps=k,
-                  speculative_policy=policy, mtp_cuda_graphs=mtp_graphs and algo == "mtp",
-                  overlap_verify=overlap_verify)
+                  speculative_policy="adaptive" if policy == "plain" else policy,
+                  mtp_cuda_graphs=mtp_graphs and algo == "mtp", overlap_verify=overlap_verify)
     llm = LLM(model, device=device, dtype=dtype, enable_prefix_cache=False,
               max_running_reqs=max(batch, 8), **kw)
     llm.engine.runner.fold_replay = fold
@@ -84,11 +84,21 @@ def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts, params)  # warm-up
-    if algo is not None and policy != "fixed":
+    if policy == "adaptive":
         warm_both_kinds(llm, prompts, params)
+    if policy == "plain":  # what speculation costs a step that does not speculate
+        llm.engine.scheduler.choose_drafts = lambda reqs: 0
     before = graph_counts(llm.engine)
-    decode_s = time_decode(llm, prompts, one, params, device)
     eng = llm.engine
+    kinds: list[int] = []  # the k of each decode step inside the timed runs
+    if algo is not None:
+        on_step = eng.policy.on_step
+        eng.policy.on_step = lambda k, b, s: (kinds.append(k), on_step(k, b, s))[1]
+    try:
+        decode_s = time_decode(llm, prompts, one, params, device)
+    finally:
+        if algo is not None:
+            eng.policy.on_step = on_step
     # captures and eager steps inside the timed run (each capture costs tens of ms)
     timed_counts = {key: graph_counts(eng)[key] - n for key, n in before.items()}
     eng.spec_steps = eng.spec_committed = 0
@@ -103,6 +113,7 @@ def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
             "step_s": decode_s / max(max_tokens - 1, 1),
             "acceptance_length": eng.acceptance_length if algo is not None else None,
             "tokens": tokens, "timed_counts": timed_counts,
+            "timed_verify_share": sum(1 for k in kinds if k) / len(kinds) if kinds else None,
             "gaps": gaps.get("gaps"),
             "chained_steps": eng.overlap.verify.chained_steps if eng.overlap else 0, **costs}
 
@@ -244,7 +255,9 @@ def main() -> None:
     ap.add_argument("--corpus", default="build/corpus", help="for --workload heldout")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="for --workload heldout")
     ap.add_argument("--policies", default="fixed",
-                    help="speculation policies to run, comma-separated: fixed, adaptive")
+                    help="speculation policies to run, comma-separated: fixed, adaptive, "
+                         "plain (the adaptive engine with every step forced to plain decode: "
+                         "the cost of speculation being on)")
     ap.add_argument("--mtp-graphs", default="on",
                     help="MTP proposer as CUDA graphs, comma-separated: on, off (off: the "
                          "eager proposer, rows named mtp/eager)")
@@ -291,6 +304,9 @@ def main() -> None:
         busy = {key: n for key, n in r["timed_counts"].items() if n}
         if busy:
             print(f"timed run of {r['algo']} {r['policy']} batch {r['batch']}: {busy}")
+        if r["policy"] != "fixed" and r.get("timed_verify_share") is not None:
+            print(f"timed runs of {r['algo']} adaptive batch {r['batch']}: "
+                  f"{r['timed_verify_share']:.0%} of decode steps verified")
         if r.get("chained_steps"):
             print(f"{r['algo']} {r['policy']} batch {r['batch']}: {r['chained_steps']} verify "
                   "steps chained (launched before the previous one landed), all runs")
