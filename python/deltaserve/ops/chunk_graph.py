@@ -15,12 +15,15 @@ ones only replay. The results must be bitwise the eager pipeline's (the same ker
 same inputs), which tests/ops/test_gdn_prefill_gpu.py asserts. The capture runs on a side
 stream without the synchronize and garbage collection of `torch.cuda.graph` (a stall the
 prefill would feel); replays run on the caller's stream, after its copies. Every capture
-allocates from one memory pool per device that lives as long as the process
-(`torch.cuda.MemPool`): a forward's graph frees its blocks to that pool when the forward is
-dropped and the next forward's capture takes them again (without the shared pool, each dead
-graph's memory would stay reserved until an allocation failed and the allocator synchronised to
-free it). Reuse is safe in stream order: every replay runs on the caller's stream, so the old
-graph's has been queued before the new.
+allocates from one graph memory pool per device (`torch.cuda.graph_pool_handle`), which a
+one-op "anchor" graph captured into it first keeps alive as long as the process: a forward's
+graph frees its blocks to that pool when the forward is dropped and the next forward's capture
+takes them again (without the anchor, each dead graph's pool would stay reserved until an
+allocation failed and the allocator synchronised to free it). Reuse is safe in stream order:
+every replay runs on the caller's stream, so the old graph's has been queued before the new.
+(`torch.cuda.MemPool` would say the same more directly, but a capture into one fails in torch
+2.11: the pinned-host allocator's pool bookkeeping asserts, `use_count > 0`, on the first
+capture; measured on an H100 in session 37.)
 
 `DS_PREFILL_GRAPH_TOKENS` is the largest forward, in tokens, that is replayed (0: off): the
 copies in and out cost device time in proportion to the tokens (about 0.1 ms a layer at 8,192
@@ -47,7 +50,8 @@ DEFAULT_MAX_TOKENS = 0  # off until measured on a GPU (module doc)
 _MOST_TOKENS = 1 << 20
 _state = {"failed": False}
 _side_streams: dict[int, torch.cuda.Stream] = {}
-_pools: dict[int, torch.cuda.MemPool] = {}
+# per device: the graph pool's handle, and the anchor graph and its tensor that keep it alive
+_pools: dict[int, tuple] = {}
 
 
 def max_tokens() -> int:
@@ -59,7 +63,7 @@ def max_tokens() -> int:
 def eligible(num_tokens: int, sample: torch.Tensor) -> bool:
     """Whether a forward of `num_tokens` rows on `sample`'s device may replay its pipeline."""
     return (sample.is_cuda and not _state["failed"] and 0 < num_tokens <= max_tokens()
-            and hasattr(torch.cuda, "MemPool") and not torch.cuda.is_current_stream_capturing())
+            and not torch.cuda.is_current_stream_capturing())
 
 
 class ReplayedCall:
@@ -90,15 +94,11 @@ class ReplayedCall:
 
     def _capture(self) -> bool:
         device = self.static[0].device
-        if device.index not in _side_streams:
-            _side_streams[device.index] = torch.cuda.Stream(device)
-            with torch.cuda.device(device):
-                _pools[device.index] = torch.cuda.MemPool()
-        graph = torch.cuda.CUDAGraph()
         try:
+            pool = _pool(device)
+            graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(_side_streams[device.index]):
-                graph.capture_begin(pool=_pools[device.index].id,
-                                    capture_error_mode="thread_local")
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     outputs = self.fn(*self.static)
                 finally:
@@ -110,6 +110,24 @@ class ReplayedCall:
             return False
         self.graph, self.outputs = graph, tuple(outputs)
         return True
+
+
+def _pool(device: torch.device):
+    """The graph pool of `device`'s captures (and its side stream), made with the anchor graph
+    that keeps the pool alive on first use."""
+    if device.index not in _pools:
+        side = _side_streams.setdefault(device.index, torch.cuda.Stream(device))
+        with torch.cuda.device(device):
+            pool = torch.cuda.graph_pool_handle()
+            anchor = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(side):
+                anchor.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    kept = torch.zeros(1, device=device)
+                finally:
+                    anchor.capture_end()
+        _pools[device.index] = (pool, anchor, kept)
+    return _pools[device.index][0]
 
 
 def replayed(cache: dict, key: tuple, make: Callable[[], Callable[..., tuple[torch.Tensor, ...]]],
