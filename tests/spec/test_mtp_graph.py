@@ -156,11 +156,23 @@ def test_device_acceptance_equals_the_host_rule():
                                                                       drafts[i].tolist())
 
 
-def test_drafts_after_overlapped_decode_steps_equal_the_oracle_head(ckpt):
+@pytest.mark.parametrize("cap", [None, 2])
+def test_drafts_after_overlapped_decode_steps_equal_the_oracle_head(ckpt, cap, monkeypatch):
     """Plain decode steps overlapped (engine/overlap.py) between verify steps: their hidden
     states reach the proposer at launch and their catch-up waits for the next verify, whose
-    first draft is still the MTP head's argmax over the whole sequence."""
+    first draft is still the MTP head's argmax over the whole sequence. cap 2: every second
+    such step catches the landed rows up at once (proposer.AHEAD_CAP)."""
     from test_mtp_proposer import oracle_mtp_logits
+
+    from deltaserve.spec.mtp import proposer
+
+    if cap is not None:
+        monkeypatch.setattr(proposer, "AHEAD_CAP", cap)
+    catch_ups = []
+    catch_up = proposer.MTPProposer._catch_up
+    monkeypatch.setattr(proposer.MTPProposer, "_catch_up",
+                        lambda self, reqs, keep=0: catch_ups.append(keep) or
+                        catch_up(self, reqs, keep))
 
     plain = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=4)
     llm = make(ckpt, graphs=True, static_target=True, max_graph_reqs=4, pattern="vvdddddvdd")
@@ -171,6 +183,9 @@ def test_drafts_after_overlapped_decode_steps_equal_the_oracle_head(ckpt):
     assert len(got) > 10
     for seq, drafts in got.items():
         assert drafts[0] == int(oracle_mtp_logits(ckpt, list(seq))[-1].argmax()), len(seq)
+    # cap 2: the capped path ran too (without it: 4 catch-ups keeping K + 1 rows, in
+    # _propose_graph, for rows past the graph's K + 1)
+    assert catch_ups.count(K + 1) >= (12 if cap is not None else 1)
     assert_drained(eng)
 
 

@@ -3,6 +3,8 @@ mixes plain decode steps (k = 0) between verify steps (CPU, fp32)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from test_verify_contract import StubProposer, prompts
 
@@ -85,7 +87,7 @@ def run_policy(p: AdaptivePolicy, reqs, steps: int, committed) -> list[int]:
 
 
 def test_probes_that_confirm_the_choice_come_at_doubling_intervals():
-    p = AdaptivePolicy(3, explore_every=4, max_explore_every=16, smoothing=1.0)
+    p = AdaptivePolicy(3, explore_every=4, max_explore_every=16, smoothing=1.0, probe_budget=0)
     reqs = [_R(0)]
     fed(p, 1, verify_s=3.0, decode_s=1.0)
     p.on_verify(reqs, [1])
@@ -96,7 +98,7 @@ def test_probes_that_confirm_the_choice_come_at_doubling_intervals():
 
 
 def test_a_probe_that_pays_is_kept_and_the_interval_starts_again():
-    p = AdaptivePolicy(3, explore_every=4, max_explore_every=64, smoothing=1.0)
+    p = AdaptivePolicy(3, explore_every=4, max_explore_every=64, smoothing=1.0, probe_budget=0)
     reqs = [_R(0)]
     fed(p, 1, verify_s=3.0, decode_s=1.0)
     p.on_verify(reqs, [1])
@@ -109,6 +111,24 @@ def test_a_probe_that_pays_is_kept_and_the_interval_starts_again():
     # and that probe confirms speculation (the interval doubles)
     assert chosen[first:] == [3, 3, 3, 3, 0, 3, 3, 3, 3, 3, 3]
     assert p.interval(1) == 8
+
+
+@pytest.mark.parametrize("budget", [0.02, 0.05])
+def test_probes_of_a_losing_kind_cost_at_most_the_budget(budget):
+    """Verify 3 s, decode 1 s, every verify commits 1 token: each probe loses 2 s against
+    plain decoding; over 3,000 steps the probes stay within the budget and still come."""
+    p = AdaptivePolicy(3, explore_every=4, smoothing=1.0, prior=1.0, probe_budget=budget)
+    reqs = [_R(0)]
+    fed(p, 1, verify_s=3.0, decode_s=1.0)
+    chosen = run_policy(p, reqs, 3000, lambda i: 1)
+    probes = sum(1 for k in chosen if k)
+    spent = sum(3.0 if k else 1.0 for k in chosen)
+    assert probes >= 3
+    assert probes * (3.0 - 1.0) <= budget * spent
+    # the runs between probes: at least loss / (budget x decode) = (2 + 1) / budget steps
+    at = [i for i, k in enumerate(chosen) if k]
+    assert min(b - a for a, b in zip(at, at[1:])) > 3 / budget
+    assert p.budget_interval(1) == math.ceil(3 / budget)
 
 
 def test_a_new_request_starts_from_the_running_mean_and_release_forgets_it():

@@ -19,11 +19,17 @@ workload turns repetitive (or stops being so). Each such probe costs: a verify t
 pay, or, under overlap scheduling, a drained pipeline and the MTP catch-up of the rows the
 plain steps left. So when a probe only confirms the choice (one step of the other kind, then
 back), the run before the next one doubles, up to `max_explore_every`; when the policy keeps
-the probed kind, it starts again from `explore_every`.
+the probed kind, it starts again from `explore_every`. Neither run is shorter than what keeps
+the probes' expected cost under `probe_budget` of the steps between them (`budget_interval`):
+where speculation loses clearly (a verify costing 2.9 decode steps that commits 1.6 tokens)
+a probe costs about 2.3 decode steps, so at a 2% budget the probes come 115 steps apart or
+more, and speculation left on costs under 2% of plain decoding; near the break-even the probes
+cost little and come as often as `explore_every` allows.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -45,6 +51,26 @@ class SpecPolicy(Protocol):
         """Drafts per request for a decode step of `reqs`: 0 or the configured K. Changes no
         state: overlap scheduling asks ahead of a step and the scheduler asks again."""
 
+    def budget_interval(self, b: int) -> int:
+        """The shortest run of one kind in bucket b after which a probe of the other kind
+        keeps the probes' expected cost within probe_budget of the run's time. A probe of a
+        verify where plain decoding wins loses (verify - L * decode) against L plain steps (L
+        the mean acceptance length), one of plain decoding where speculation wins loses
+        (decode - verify / L); either also drains the pipeline around it (about a decode
+        step). 0 before both kinds have costs, or with no budget."""
+        decode, verify = self._medians.get((b, 0)), self._medians.get((b, self.k))
+        if not self.probe_budget or decode is None or verify is None:
+            return 0
+        mean_len = self._global
+        if mean_len * decode >= verify:  # speculating: the probe is a plain step
+            loss, step = max(decode - verify / mean_len, 0.0) + decode, verify
+        else:
+            loss, step = max(verify - mean_len * decode, 0.0) + decode, decode
+        return math.ceil(loss / (self.probe_budget * step))
+
+    def _next_interval(self, b: int, interval: int) -> int:
+        return min(max(interval, self.budget_interval(b)), self.max_explore_every)
+
     def on_step(self, k: int, batch_size: int, seconds: float) -> None:
         """A decode step that ran k drafts for `batch_size` requests took `seconds` (wall)."""
 
@@ -63,6 +89,26 @@ class FixedPolicy:
 
     def choose(self, reqs: list[Req]) -> int:
         return self.k
+
+    def budget_interval(self, b: int) -> int:
+        """The shortest run of one kind in bucket b after which a probe of the other kind
+        keeps the probes' expected cost within probe_budget of the run's time. A probe of a
+        verify where plain decoding wins loses (verify - L * decode) against L plain steps (L
+        the mean acceptance length), one of plain decoding where speculation wins loses
+        (decode - verify / L); either also drains the pipeline around it (about a decode
+        step). 0 before both kinds have costs, or with no budget."""
+        decode, verify = self._medians.get((b, 0)), self._medians.get((b, self.k))
+        if not self.probe_budget or decode is None or verify is None:
+            return 0
+        mean_len = self._global
+        if mean_len * decode >= verify:  # speculating: the probe is a plain step
+            loss, step = max(decode - verify / mean_len, 0.0) + decode, verify
+        else:
+            loss, step = max(verify - mean_len * decode, 0.0) + decode, decode
+        return math.ceil(loss / (self.probe_budget * step))
+
+    def _next_interval(self, b: int, interval: int) -> int:
+        return min(max(interval, self.budget_interval(b)), self.max_explore_every)
 
     def on_step(self, k: int, batch_size: int, seconds: float) -> None:
         pass
@@ -93,28 +139,31 @@ class AdaptivePolicy:
     longest run between such probes once they keep confirming the choice (see module doc).
     smoothing: weight of the newest verify in a request's acceptance length (an exponential
     moving average). prior: the acceptance length assumed for a request before its first
-    verify (the running mean over finished verifies once there is one).
+    verify (the running mean over finished verifies once there is one). probe_budget: the
+    share of the step time that probes of the other kind may cost (0: no such bound).
     """
 
     def __init__(self, k: int, window: int = 8, explore_every: int = 32,
                  smoothing: float = 0.3, prior: float | None = None,
-                 min_samples: int = 2, max_explore_every: int = 512) -> None:
+                 min_samples: int = 2, max_explore_every: int = 512,
+                 probe_budget: float = 0.02) -> None:
         if k < 1:
             raise ValueError("the adaptive policy needs k >= 1 drafts")
         self.k, self.window, self.explore_every = k, window, explore_every
         self.max_explore_every = max(max_explore_every, explore_every)
         self.smoothing, self.min_samples = smoothing, min_samples
+        self.probe_budget = probe_budget
         self._seen: set[tuple[int, int]] = set()  # (bucket, k) whose warm-up step was dropped
         self.prior = prior if prior is not None else 1.0 + k / 2
         self._costs: dict[tuple[int, int], deque[float]] = {}
+        self._medians: dict[tuple[int, int], float] = {}  # of _costs, kept by on_step
         self._runs: dict[int, _Run] = {}  # per bucket: the current run of one kind
         self._accept: dict[int, float] = {}  # rid -> acceptance length (EMA)
         self._global = self.prior
 
     def cost(self, k: int, batch_size: int) -> float | None:
         """Median seconds of the last `window` steps of k drafts in this batch's bucket."""
-        samples = self._costs.get((batch_bucket(batch_size), k))
-        return statistics.median(samples) if samples else None
+        return self._medians.get((batch_bucket(batch_size), k))
 
     def acceptance(self, req: Req) -> float:
         return self._accept.get(req.rid, self._global)
@@ -137,21 +186,43 @@ class AdaptivePolicy:
         run = self._runs.get(b)
         return self.explore_every if run is None else run.interval
 
+    def budget_interval(self, b: int) -> int:
+        """The shortest run of one kind in bucket b after which a probe of the other kind
+        keeps the probes' expected cost within probe_budget of the run's time. A probe of a
+        verify where plain decoding wins loses (verify - L * decode) against L plain steps (L
+        the mean acceptance length), one of plain decoding where speculation wins loses
+        (decode - verify / L); either also drains the pipeline around it (about a decode
+        step). 0 before both kinds have costs, or with no budget."""
+        decode, verify = self._medians.get((b, 0)), self._medians.get((b, self.k))
+        if not self.probe_budget or decode is None or verify is None:
+            return 0
+        mean_len = self._global
+        if mean_len * decode >= verify:  # speculating: the probe is a plain step
+            loss, step = max(decode - verify / mean_len, 0.0) + decode, verify
+        else:
+            loss, step = max(verify - mean_len * decode, 0.0) + decode, decode
+        return math.ceil(loss / (self.probe_budget * step))
+
+    def _next_interval(self, b: int, interval: int) -> int:
+        return min(max(interval, self.budget_interval(b)), self.max_explore_every)
+
     def on_step(self, k: int, batch_size: int, seconds: float) -> None:
         b = batch_bucket(batch_size)
-        if (b, k) in self._seen:
-            self._costs.setdefault((b, k), deque(maxlen=self.window)).append(seconds)
+        if (b, k) in self._seen:  # the median once here, not at every choose()
+            samples = self._costs.setdefault((b, k), deque(maxlen=self.window))
+            samples.append(seconds)
+            self._medians[(b, k)] = statistics.median(samples)
         self._seen.add((b, k))
         run = self._runs.get(b)
         if run is None:
-            self._runs[b] = _Run(k, 1, self.explore_every)
+            self._runs[b] = _Run(k, 1, self._next_interval(b, self.explore_every))
         elif k == run.k:
             run.length += 1
             if run.probe and run.length == 2:  # the probed kind was kept
-                run.interval, run.probe = self.explore_every, False
+                run.interval, run.probe = self._next_interval(b, self.explore_every), False
         else:
             if run.probe and run.length == 1:  # a probe, then back: it confirmed the choice
-                run.interval = min(2 * run.interval, self.max_explore_every)
+                run.interval = self._next_interval(b, 2 * run.interval)
             run.k, run.probe, run.length = k, run.length >= run.interval, 1
 
     def on_verify(self, reqs: list[Req], committed: list[int]) -> None:

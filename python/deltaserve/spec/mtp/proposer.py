@@ -17,9 +17,13 @@ once: the next verify step's `propose` runs their catch-up and the k drafts as o
 (spec/mtp/graph.py) and returns the drafts as a device tensor; a plain decode step's row
 waits for it too, and so does every row of a decode step launched ahead of the host (overlap
 scheduling); rows past the last k+1 are caught up eagerly, without a host sync, right before
-the replay. Whatever that graph does not cover (a prefill chunk's rows, more than k+1
-rows left by decode steps, a finished request's last rows when the prefix cache keeps them, a
-batch past the graphs' buckets) runs the eager path here, which gives the same drafts.
+the replay. A decode step launched ahead costs the host one list append here (`_ahead`): its
+rows are filed per request only when something reads the states (`states` does it), a run of
+such steps with the same requests as one stacked tensor, and a run of `AHEAD_CAP` steps is
+caught up eagerly then (the adaptive policy's long runs of plain steps would otherwise hold
+every step's hidden states). Whatever that graph does not cover (a prefill chunk's rows, more
+than k+1 rows left by decode steps, a finished request's last rows when the prefix cache keeps
+them, a batch past the graphs' buckets) runs the eager path here, which gives the same drafts.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ from deltaserve.spec.proposer import Proposer
 
 if TYPE_CHECKING:
     from deltaserve.core import Batch, Req
+
+
+AHEAD_CAP = 128  # decode steps launched ahead that may wait for a catch-up (module doc)
 
 
 @dataclass(slots=True)
@@ -67,11 +74,39 @@ class MTPProposer(Proposer):
         self.kv = runner.draft_kv
         self.device = runner.device
         self.num_steps = num_steps
-        self.states: dict[int, _ReqState] = {}
+        self._states: dict[int, _ReqState] = {}
+        # decode steps launched ahead, not yet filed per request: (hidden [B, H], requests)
+        self._ahead: list[tuple[torch.Tensor, list[Req]]] = []
         self._verify_hidden: torch.Tensor | None = None
         self.graphs: MTPGraphs | None = None  # set by use_graphs
         # a finished request's draft KV matters only to the prefix cache
         self.cache_draft_kv = cfg.enable_prefix_cache
+
+    @property
+    def states(self) -> dict[int, _ReqState]:
+        """Per request: the head's position and the rows it has yet to catch up (with every
+        decode step launched ahead filed)."""
+        if self._ahead:
+            self._file_ahead()
+        return self._states
+
+    def _file_ahead(self) -> None:
+        """File the logged decode steps' rows per request: a run of steps of the same
+        requests (the usual case) as one stacked [steps, B, H] tensor, one _Rows each."""
+        log, self._ahead = self._ahead, []
+        i = 0
+        while i < len(log):
+            reqs = log[i][1]
+            j = i + 1
+            while j < len(log) and len(log[j][1]) == len(reqs) \
+                    and all(a is b for a, b in zip(log[j][1], reqs)):
+                j += 1
+            run = torch.stack([h for h, _ in log[i:j]]) if j - i > 1 else log[i][0][None]
+            for row, req in enumerate(reqs):
+                st = self._states.get(req.rid)
+                if st is not None:  # else released meanwhile
+                    st.pending.append(_Rows(run[:, row], 0, j - i))
+            i = j
 
     @property
     def chains_verify(self) -> bool:
@@ -90,9 +125,19 @@ class MTPProposer(Proposer):
         if batch.phase is Phase.VERIFY:
             self._verify_hidden = hidden
             return
+        states = self._states
+        if self.graphs is not None and batch.phase is Phase.DECODE \
+                and all(r.ahead and r.rid in states for r in batch.reqs):
+            self._ahead.append((hidden, batch.reqs))  # filed when read (`states`)
+            if len(self._ahead) >= AHEAD_CAP:  # landed rows through the head, no host sync
+                self._catch_up(batch.reqs, keep=self.num_steps + 1)
+            return
+        states = self.states
         off = 0
         for req, n in zip(batch.reqs, batch.extend_lens):
-            st = self.states.setdefault(req.rid, _ReqState(mtp_len=req.device_len))
+            st = states.get(req.rid)
+            if st is None:
+                st = states[req.rid] = _ReqState(mtp_len=req.device_len)
             st.pending.append(_Rows(hidden, off, n))
             off += n
         # a row launched ahead of the host (overlap scheduling: Req.ahead) waits for the next
