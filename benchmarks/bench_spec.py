@@ -305,7 +305,7 @@ def main() -> None:
         if busy:
             print(f"timed run of {r['algo']} {r['policy']} batch {r['batch']}: {busy}")
         if r["policy"] != "fixed" and r.get("timed_verify_share") is not None:
-            print(f"timed runs of {r['algo']} adaptive batch {r['batch']}: "
+            print(f"timed runs of {r['algo']} {r['policy']} batch {r['batch']}: "
                   f"{r['timed_verify_share']:.0%} of decode steps verified")
         if r.get("chained_steps"):
             print(f"{r['algo']} {r['policy']} batch {r['batch']}: {r['chained_steps']} verify "

@@ -133,7 +133,10 @@ fi
 # where a batch-8 decode step's time goes at context 128 and 16k (after the long-context rows)
 has longprof && TAILN=4 run longprof 200 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --profile --out "$LOGS/longprof.json"
 has mtptest && run mtptest 90 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/spec/test_gpu_mtp_graph.py
-has spec && TAILN=14 run spec ${SPEC_T:-150} python3 benchmarks/bench_spec.py --workload heldout --corpus build/spec_corpus --batches ${SPEC_B:-1,32} --ks 3 --max-tokens 64 --policies ${SPEC_P:-fixed,adaptive} --overlap-verify ${SPEC_OV:-off} --out "$LOGS/spec.json"
+# once per workload in $SPEC_W (heldout: build/spec_corpus's files; repetitive)
+for w in ${SPEC_W:-heldout}; do
+  has spec && TAILN=${SPEC_TAIL:-14} run spec_$w ${SPEC_T:-150} python3 benchmarks/bench_spec.py --workload $w --corpus build/spec_corpus --batches ${SPEC_B:-1,32} --ks 3 --max-tokens 64 --policies ${SPEC_P:-fixed,adaptive} --overlap-verify ${SPEC_OV:-off} --out "$LOGS/spec_$w.json"
+done
 # issue 27, prefill: GPU tests of the prefill path (~2-4 min on a machine that has not compiled
 # fla-core's kernels yet), then TTFT-256 / 8k prefill beside kernels per forward
 has prefilltest && TAILN=12 run prefilltest ${PREFILLTEST_T:-400} python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/ops/test_gdn_prefill_gpu.py tests/ops/test_conv_qkv_gpu.py tests/engine/test_gpu_prefill_attention.py tests/engine/test_gpu_prefill.py
