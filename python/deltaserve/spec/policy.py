@@ -51,26 +51,6 @@ class SpecPolicy(Protocol):
         """Drafts per request for a decode step of `reqs`: 0 or the configured K. Changes no
         state: overlap scheduling asks ahead of a step and the scheduler asks again."""
 
-    def budget_interval(self, b: int) -> int:
-        """The shortest run of one kind in bucket b after which a probe of the other kind
-        keeps the probes' expected cost within probe_budget of the run's time. A probe of a
-        verify where plain decoding wins loses (verify - L * decode) against L plain steps (L
-        the mean acceptance length), one of plain decoding where speculation wins loses
-        (decode - verify / L); either also drains the pipeline around it (about a decode
-        step). 0 before both kinds have costs, or with no budget."""
-        decode, verify = self._medians.get((b, 0)), self._medians.get((b, self.k))
-        if not self.probe_budget or decode is None or verify is None:
-            return 0
-        mean_len = self._global
-        if mean_len * decode >= verify:  # speculating: the probe is a plain step
-            loss, step = max(decode - verify / mean_len, 0.0) + decode, verify
-        else:
-            loss, step = max(verify - mean_len * decode, 0.0) + decode, decode
-        return math.ceil(loss / (self.probe_budget * step))
-
-    def _next_interval(self, b: int, interval: int) -> int:
-        return min(max(interval, self.budget_interval(b)), self.max_explore_every)
-
     def on_step(self, k: int, batch_size: int, seconds: float) -> None:
         """A decode step that ran k drafts for `batch_size` requests took `seconds` (wall)."""
 
@@ -89,26 +69,6 @@ class FixedPolicy:
 
     def choose(self, reqs: list[Req]) -> int:
         return self.k
-
-    def budget_interval(self, b: int) -> int:
-        """The shortest run of one kind in bucket b after which a probe of the other kind
-        keeps the probes' expected cost within probe_budget of the run's time. A probe of a
-        verify where plain decoding wins loses (verify - L * decode) against L plain steps (L
-        the mean acceptance length), one of plain decoding where speculation wins loses
-        (decode - verify / L); either also drains the pipeline around it (about a decode
-        step). 0 before both kinds have costs, or with no budget."""
-        decode, verify = self._medians.get((b, 0)), self._medians.get((b, self.k))
-        if not self.probe_budget or decode is None or verify is None:
-            return 0
-        mean_len = self._global
-        if mean_len * decode >= verify:  # speculating: the probe is a plain step
-            loss, step = max(decode - verify / mean_len, 0.0) + decode, verify
-        else:
-            loss, step = max(verify - mean_len * decode, 0.0) + decode, decode
-        return math.ceil(loss / (self.probe_budget * step))
-
-    def _next_interval(self, b: int, interval: int) -> int:
-        return min(max(interval, self.budget_interval(b)), self.max_explore_every)
 
     def on_step(self, k: int, batch_size: int, seconds: float) -> None:
         pass
