@@ -22,8 +22,10 @@ class _R:
 
 
 def fed(policy: AdaptivePolicy, n: int, verify_s: float, decode_s: float) -> None:
-    for _ in range(policy.window):
+    """A run of verify steps, then one of decode steps, each a window long past its first."""
+    for _ in range(policy.window + 1):
         policy.on_step(policy.k, n, verify_s)
+    for _ in range(policy.window + 1):
         policy.on_step(0, n, decode_s)
 
 
@@ -64,6 +66,21 @@ def test_costs_are_medians_so_one_graph_capture_does_not_flip_the_choice():
     assert p.choose(reqs) == 3
 
 
+def test_a_step_that_starts_a_run_is_not_a_cost_sample():
+    """A plain step right after a verify runs without overlap (dearer than in a run of plain
+    steps), and a verify after plain steps catches their rows up: steps of the two kinds in
+    turn leave each kind's cost at what it costs in a run."""
+    p = AdaptivePolicy(3, explore_every=10**9, smoothing=1.0)
+    fed(p, 1, verify_s=2.0, decode_s=1.0)
+    for _ in range(20):
+        p.on_step(3, 1, 2.6)
+        p.on_step(0, 1, 1.8)
+    assert p.cost(3, 1) == 2.0 and p.cost(0, 1) == 1.0
+    for _ in range(5):  # the steps after the first of a run count
+        p.on_step(0, 1, 1.2)
+    assert p.cost(0, 1) == 1.2
+
+
 def test_buckets_keep_their_own_costs():
     p = AdaptivePolicy(3, explore_every=10**9, smoothing=1.0)
     fed(p, 1, verify_s=1.2, decode_s=1.0)
@@ -92,9 +109,9 @@ def test_probes_that_confirm_the_choice_come_at_doubling_intervals():
     fed(p, 1, verify_s=3.0, decode_s=1.0)
     p.on_verify(reqs, [1])
     chosen = run_policy(p, reqs, 50, lambda i: 1)
-    # runs of 4 (the last step of fed() included), 8, 16, 16 decodes, each followed by one
-    # verify that confirms plain decoding
-    assert [i for i, k in enumerate(chosen) if k] == [3, 12, 29, 46]
+    # fed() ends with a run of 9 decodes, past the interval of 4: a probe at once; then runs
+    # of 8, 16, 16 decodes, each followed by one verify that confirms plain decoding
+    assert [i for i, k in enumerate(chosen) if k] == [0, 9, 26, 43]
 
 
 def test_a_probe_that_pays_is_kept_and_the_interval_starts_again():
@@ -104,12 +121,12 @@ def test_a_probe_that_pays_is_kept_and_the_interval_starts_again():
     p.on_verify(reqs, [1])
     # verifies commit 1 token until step 20, then 4 (the workload turned repetitive)
     chosen = run_policy(p, reqs, 40, lambda i: 1 if i < 20 else 4)
-    assert [i for i, k in enumerate(chosen) if k][:2] == [3, 12]  # probes back off
+    assert [i for i, k in enumerate(chosen) if k][:2] == [0, 9]  # probes back off
     first = next(i for i in range(20, 40) if chosen[i])  # the first probe after the change
-    assert first == 29  # 16 decodes after the probe at 12
+    assert first == 26  # 16 decodes after the probe at 9
     # kept: the interval starts again at 4, so plain decoding is probed after 4 verify steps,
-    # and that probe confirms speculation (the interval doubles)
-    assert chosen[first:] == [3, 3, 3, 3, 0, 3, 3, 3, 3, 3, 3]
+    # and that probe confirms speculation (the interval doubles: the next after 8)
+    assert chosen[first:] == [3, 3, 3, 3, 0] + [3] * 8 + [0]
     assert p.interval(1) == 8
 
 

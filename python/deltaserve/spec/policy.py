@@ -10,11 +10,17 @@ commits what plain decoding would).
 (each request's running acceptance length) beat what the measured cost ratio of a verify step
 to a decode step at this batch size demands. The costs are the engine's wall time per step
 (forward, proposer, sampling and host work alike), kept per batch-size bucket as the median of
-the last few steps of each kind. The first step of each kind in a bucket is not counted (it
-captures a CUDA graph: seconds, not milliseconds, which on the H200 made a median of the first
-two samples pick plain decode for a whole MTP run), and each kind is measured `min_samples`
-times before the policy decides. After a run of `explore_every` steps of one kind in a bucket
-the other kind runs once, to refresh its cost and the acceptance, so the policy notices when a
+the last few steps of each kind that continued a run of that kind: what each kind costs in a
+steady run, the way the policy's choice runs it. The first step of a run is not counted: the
+first of a kind in a bucket captures a CUDA graph (seconds, not milliseconds, which on the H200
+made a median of the first two samples pick plain decode for a whole MTP run), a plain step
+after a verify is not overlapped with the one before (engine/overlap.py), and a verify after
+plain steps catches their rows up. While the two kinds alternate, counting those first
+steps makes plain decoding look dearer than it runs (the likely reason why, on an H100 in
+session 37, the policy verified half the steps of a batch-32 MTP run at 0.77x of plain
+decoding, where forced plain steps ran 0.85x). Each kind is measured `min_samples` times
+before the policy decides. After a run of `explore_every` steps of one kind in a bucket the
+other kind runs once, to refresh its cost and the acceptance, so the policy notices when a
 workload turns repetitive (or stops being so). Each such probe costs: a verify that does not
 pay, or, under overlap scheduling, a drained pipeline and the MTP catch-up of the rows the
 plain steps left. So when a probe only confirms the choice (one step of the other kind, then
@@ -113,7 +119,6 @@ class AdaptivePolicy:
         self.max_explore_every = max(max_explore_every, explore_every)
         self.smoothing, self.min_samples = smoothing, min_samples
         self.probe_budget = probe_budget
-        self._seen: set[tuple[int, int]] = set()  # (bucket, k) whose warm-up step was dropped
         self.prior = prior if prior is not None else 1.0 + k / 2
         self._costs: dict[tuple[int, int], deque[float]] = {}
         self._medians: dict[tuple[int, int], float] = {}  # of _costs, kept by on_step
@@ -168,12 +173,11 @@ class AdaptivePolicy:
 
     def on_step(self, k: int, batch_size: int, seconds: float) -> None:
         b = batch_bucket(batch_size)
-        if (b, k) in self._seen:  # the median once here, not at every choose()
+        run = self._runs.get(b)
+        if run is not None and run.k == k:  # the median once here, not at every choose()
             samples = self._costs.setdefault((b, k), deque(maxlen=self.window))
             samples.append(seconds)
             self._medians[(b, k)] = statistics.median(samples)
-        self._seen.add((b, k))
-        run = self._runs.get(b)
         if run is None:
             self._runs[b] = _Run(k, 1, self._next_interval(b, self.explore_every))
         elif k == run.k:
