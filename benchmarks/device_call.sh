@@ -86,6 +86,8 @@ for v in ${LINEAR_VARIANTS:-${DS_GEMV_VARIANT:-default}}; do
   has linear && DS_GEMV_VARIANT=${v#default} run linear_v$v 60 python3 benchmarks/bench_linear.py --rows ${LINEAR_ROWS:-1,2,4,8} --out "$LOGS/linear_v$v.json"
 done
 has profile && TAILN=12 run profile 170 python3 benchmarks/profile_step.py --vocab 248320 --out "$LOGS/profile.txt"
+# the default model's plain decode step, the same way (the baseline of profmtp's spans)
+has profdef && TAILN=12 run profdef 170 python3 benchmarks/profile_step.py --model default --out "$LOGS/profile_def.txt"
 # issue 30: a verify step's host time beside its kernels (default model, MTP k = 3, fixed policy)
 has profmtp && TAILN=12 run profmtp 170 python3 benchmarks/profile_step.py --model default --spec mtp --out "$LOGS/profile_mtp.txt"
 # the same with verify steps chained (--overlap-verify): device time per step beside the wall

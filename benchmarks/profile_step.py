@@ -14,8 +14,9 @@ prompt's first token; then torch.profiler's top CPU ops and CUDA kernels of that
     python benchmarks/profile_step.py --model default --spec mtp --overlap-verify  # chained
 
 With --spec ALGO (k = 3, fixed policy: every decode step verifies) the decode figures are verify
-steps', and torch.profiler also covers a decode run: the host's time per verify step beside
-the kernels' (issue 30: a verify step cost 3.1 plain steps on the default model).
+steps' (issue 30: a verify step cost 3.1 plain steps on the default model). torch.profiler
+also covers a batch-1 decode run: the host's time per step beside the kernels', and each graph
+launch's span on the device (graph_spans).
 
 With overlap scheduling (the default) a decode call launches step n+1 and lands step n, so a
 step's wall time is the longer of the host's and the device's work, not their sum.
@@ -74,7 +75,8 @@ def cprofile(fn, limit: int = 45) -> str:
 
 def torch_profile(fn, steps=None) -> str:
     """torch.profiler's CPU and CUDA op tables of fn(); with `steps` (a callable giving the
-    engine's step count), first a line with the device time per step that fn ran."""
+    engine's step count), first a line with the device time per step that fn ran and the
+    graph launches' spans (graph_spans)."""
     from torch.profiler import ProfilerActivity, profile
 
     n0 = steps() if steps else 0
@@ -89,9 +91,47 @@ def torch_profile(fn, steps=None) -> str:
         n = max(steps() - n0, 1)
         device_us = sum(e.self_device_time_total for e in ka)
         head = (f"{n} steps: device {device_us / n:.1f} us a step (kernels' own time), wall "
-                f"{1e6 * wall / n:.1f} us a step (profiled)\n")
+                f"{1e6 * wall / n:.1f} us a step (profiled)\n{graph_spans(prof, n)}\n")
     return (head + ka.table(sort_by="cpu_time_total", row_limit=40) + "\n"
             + ka.table(sort_by="self_device_time_total", row_limit=40))
+
+
+def graph_spans(prof, steps: int) -> str:
+    """Per CUDA-graph launch of a profiled run: its kernels' span on the device (first start to
+    last end), grouped by kernels per launch (one group a graph family: with --spec mtp the
+    verify graph and the MTP graph), beside the device's busy time (union of all kernels) and
+    the kernels launched outside graphs, per step. Kernel durations alone overstate a step
+    where kernels start early and wait (programmatic dependent launch); spans do not."""
+    from torch.autograd import DeviceType
+
+    evs = prof.profiler.kineto_results.events()
+    launches = {e.correlation_id() for e in evs if e.name() == "cudaGraphLaunch"}
+    kernels = [e for e in evs if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0
+               and "Memcpy" not in e.name() and "Memset" not in e.name()]
+    groups: dict[int, list] = {}
+    eager = 0
+    for k in kernels:
+        cid = k.linked_correlation_id() or k.correlation_id()
+        if cid in launches:
+            groups.setdefault(cid, []).append(k)
+        else:
+            eager += 1
+    fams: dict[int, list[float]] = {}
+    for ks in groups.values():
+        span = max(k.end_ns() for k in ks) - min(k.start_ns() for k in ks)
+        fams.setdefault(len(ks), []).append(span / 1e3)
+    busy, end = 0, 0
+    for k in sorted(kernels, key=lambda k: k.start_ns()):  # union of the kernels' intervals
+        s, e = k.start_ns(), k.end_ns()
+        busy += max(0, e - max(s, end))
+        end = max(end, e)
+    n = max(steps, 1)
+    lines = [f"device busy {busy / 1e3 / n:.1f} us a step (union of kernels), "
+             f"{eager / n:.1f} kernels a step outside graphs; graph launches by kernel count:"]
+    for nk, spans in sorted(fams.items()):
+        lines.append(f"  {nk:4d} kernels: {len(spans):4d} launches, span median "
+                     f"{statistics.median(spans):7.1f} us, mean {statistics.mean(spans):7.1f}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -162,11 +202,12 @@ def main() -> None:
         llm.engine.flush_cache()
         say("=== cProfile: ttft 256 ===")
         say(cprofile(lambda: llm.generate([prompt(256, args.vocab, 30)], one)))
+        llm.engine.flush_cache()
+        say(f"=== torch.profiler: decode with {args.spec or 'no speculation'}, batch 1 "
+            "(the 128-token prefill included) ===")
+        say(torch_profile(lambda: llm.generate([prompt(128, args.vocab, 401)], dec),
+                          steps=lambda: llm.engine.num_steps))
         if args.spec:
-            llm.engine.flush_cache()
-            say(f"=== torch.profiler: decode with {args.spec}, batch 1 ===")
-            say(torch_profile(lambda: llm.generate([prompt(128, args.vocab, 401)], dec),
-                              steps=lambda: llm.engine.num_steps))
             say(f"acceptance length {llm.engine.acceptance_length}")
         llm.engine.flush_cache()
         say("=== torch.profiler: ttft 256 ===")
