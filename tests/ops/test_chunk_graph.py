@@ -9,11 +9,13 @@ import torch
 from deltaserve.ops import chunk_graph
 
 
-def test_the_switch_is_off_unless_set(monkeypatch):
+def test_the_switch_defaults_to_2048_tokens_and_0_turns_it_off(monkeypatch):
     monkeypatch.delenv("DS_PREFILL_GRAPH_TOKENS", raising=False)
-    assert chunk_graph.max_tokens() == 0
+    assert chunk_graph.max_tokens() == 2048
     monkeypatch.setenv("DS_PREFILL_GRAPH_TOKENS", "4096")
     assert chunk_graph.max_tokens() == 4096
+    monkeypatch.setenv("DS_PREFILL_GRAPH_TOKENS", "0")
+    assert not chunk_graph.eligible(256, torch.zeros(1, device="meta"))
 
 
 @pytest.mark.parametrize("value", ["-1", "lots", "2.5", str((1 << 20) + 1)])

@@ -25,15 +25,17 @@ every replay runs on the caller's stream, so the old graph's has been queued bef
 2.11: the pinned-host allocator's pool bookkeeping asserts, `use_count > 0`, on the first
 capture; measured on an H100 in session 37.)
 
-`DS_PREFILL_GRAPH_TOKENS` is the largest forward, in tokens, that is replayed (0: off): the
-copies in and out cost device time in proportion to the tokens (about 0.1 ms a layer at 8,192
-tokens on the 0.8B config, an estimate from the bytes), the launches they replace a fixed host
-time a layer. A capture that fails turns replays off for the process (eager from then on).
-
-Off by default for now: this path was written in session 36, which got no device time to run
-its GPU tests or measure it. The next device call runs tests/ops/test_gdn_prefill_gpu.py and
-`STEPS="gputests envab" ENV_AB=DS_PREFILL_GRAPH_TOKENS=8192 bash benchmarks/device_call.sh`; if
-they pass and it wins, the default becomes 8192 (the engine's max_num_batched_tokens)."""
+`DS_PREFILL_GRAPH_TOKENS` is the largest forward, in tokens, that is replayed (0: off; default
+2048). The copies in and out cost device time in proportion to the tokens, the launches they
+replace a fixed host time a layer, so the replay pays where the forward is host bound. On an
+H100 (session 37, the 0.8B config, two runs each way in one call) it took a 256-token prompt's
+first token from 27.9 / 28.7 ms to 16.4 / 16.2 ms and a cached follow-up's from 30.7 to 18.1
+ms, and cost an 8,192-token prefill 6% (233k against 246-254k tok/s: that forward is device
+bound, 86% busy, so it had no launch time to save). 2048 keeps the replay below where a
+layer's chunk kernels take as long as its launches (about 4k tokens, from fla's 0.9 ms a
+layer at 8k on the H200, BUILD.md); the crossover itself was not measured. A capture that
+fails turns replays off for the process (eager from then on).
+"""
 
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ from deltaserve.ops import _ext
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS = 0  # off until measured on a GPU (module doc)
+DEFAULT_MAX_TOKENS = 2048  # below the measured 8k loss, at the measured 256-token gain
 _MOST_TOKENS = 1 << 20
 _state = {"failed": False}
 _side_streams: dict[int, torch.cuda.Stream] = {}
