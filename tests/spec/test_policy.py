@@ -56,6 +56,22 @@ def test_it_speculates_iff_acceptance_beats_the_cost_ratio(committed, want):
     assert p.choose(reqs) == want
 
 
+@pytest.mark.parametrize("running, accept, want", [
+    (3, 1.94, 3), (3, 1.86, 0),  # verifying at 0.97x and 0.93x of the break-even
+    (0, 2.06, 0), (0, 2.14, 3),  # decoding at 1.03x and 1.07x
+])
+def test_a_run_changes_kind_only_past_the_switch_margin(running, accept, want):
+    """Verify 2 s, decode 1 s: the break-even is 2 tokens a verify. A run of either kind
+    goes on while the other would make a token less than 5% cheaper."""
+    p = AdaptivePolicy(3, explore_every=10**9, smoothing=1.0, switch_margin=0.05)
+    reqs = [_R(0)]
+    fed(p, 1, verify_s=2.0, decode_s=1.0)
+    for _ in range(3):
+        p.on_step(running, 1, 2.0 if running else 1.0)
+    p.on_verify(reqs, [accept])
+    assert p.choose(reqs) == want
+
+
 def test_costs_are_medians_so_one_graph_capture_does_not_flip_the_choice():
     p = AdaptivePolicy(3, explore_every=10**9, smoothing=1.0)
     reqs = [_R(0)]

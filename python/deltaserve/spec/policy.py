@@ -31,6 +31,13 @@ where speculation loses clearly (a verify costing 2.9 decode steps that commits 
 a probe costs about 2.3 decode steps, so at a 2% budget the probes come 115 steps apart or
 more, and speculation left on costs under 2% of plain decoding; near the break-even the probes
 cost little and come as often as `explore_every` allows.
+
+Near the break-even the two kinds in turn cost more than either alone (each switch drains the
+overlap pipeline or catches deferred rows up): on an H100 in session 37 a batch-32 MTP run that
+verified 56% of its steps ran 0.73x of plain decoding where all-verify ran 0.79x and
+all-plain 0.86x. So the policy leaves a run of one kind only when the other makes a token
+`switch_margin` (5%) cheaper by the measured costs and acceptance; inside that band it keeps
+what it runs, which costs at most the margin. (Set after that run; not yet measured.)
 """
 
 from __future__ import annotations
@@ -107,18 +114,20 @@ class AdaptivePolicy:
     moving average). prior: the acceptance length assumed for a request before its first
     verify (the running mean over finished verifies once there is one). probe_budget: the
     share of the step time that probes of the other kind may cost (0: no such bound).
+    switch_margin: how much cheaper a token must be through the other kind before the policy
+    leaves a run of one kind (module doc).
     """
 
     def __init__(self, k: int, window: int = 8, explore_every: int = 32,
                  smoothing: float = 0.3, prior: float | None = None,
                  min_samples: int = 2, max_explore_every: int = 512,
-                 probe_budget: float = 0.02) -> None:
+                 probe_budget: float = 0.02, switch_margin: float = 0.05) -> None:
         if k < 1:
             raise ValueError("the adaptive policy needs k >= 1 drafts")
         self.k, self.window, self.explore_every = k, window, explore_every
         self.max_explore_every = max(max_explore_every, explore_every)
         self.smoothing, self.min_samples = smoothing, min_samples
-        self.probe_budget = probe_budget
+        self.probe_budget, self.switch_margin = probe_budget, switch_margin
         self.prior = prior if prior is not None else 1.0 + k / 2
         self._costs: dict[tuple[int, int], deque[float]] = {}
         self._medians: dict[tuple[int, int], float] = {}  # of _costs, kept by on_step
@@ -140,8 +149,14 @@ class AdaptivePolicy:
                 return k
         verify, decode = self.cost(self.k, len(reqs)), self.cost(0, len(reqs))
         mean_len = sum(self.acceptance(r) for r in reqs) / len(reqs)
-        best = self.k if mean_len * decode >= verify else 0
+        ratio = mean_len * decode / verify  # > 1: a token costs less through a verify
         run = self._runs.get(b)
+        if run is None:
+            best = self.k if ratio >= 1 else 0
+        elif run.k:  # verifying: plain decoding must be `switch_margin` cheaper a token
+            best = self.k if ratio >= 1 - self.switch_margin else 0
+        else:  # and the other way round
+            best = self.k if ratio * (1 - self.switch_margin) > 1 else 0
         if run is not None and run.k == best and run.length >= run.interval:
             return self.k - best  # the other kind, once, to refresh its cost and acceptance
         return best
