@@ -15,10 +15,8 @@ steady run, the way the policy's choice runs it. The first step of a run is not 
 first of a kind in a bucket captures a CUDA graph (seconds, not milliseconds, which on the H200
 made a median of the first two samples pick plain decode for a whole MTP run), a plain step
 after a verify is not overlapped with the one before (engine/overlap.py), and a verify after
-plain steps catches their rows up. While the two kinds alternate, counting those first
-steps makes plain decoding look dearer than it runs (the likely reason why, on an H100 in
-session 37, the policy verified half the steps of a batch-32 MTP run at 0.77x of plain
-decoding, where forced plain steps ran 0.85x). Each kind is measured `min_samples` times
+plain steps catches their rows up: while the two kinds alternate, counting those first steps
+would make each kind look dearer than it runs. Each kind is measured `min_samples` times
 before the policy decides. After a run of `explore_every` steps of one kind in a bucket the
 other kind runs once, to refresh its cost and the acceptance, so the policy notices when a
 workload turns repetitive (or stops being so). Each such probe costs: a verify that does not
@@ -33,11 +31,12 @@ more, and speculation left on costs under 2% of plain decoding; near the break-e
 cost little and come as often as `explore_every` allows.
 
 Near the break-even the two kinds in turn cost more than either alone (each switch drains the
-overlap pipeline or catches deferred rows up): on an H100 in session 37 a batch-32 MTP run that
-verified 56% of its steps ran 0.73x of plain decoding where all-verify ran 0.79x and
-all-plain 0.86x. So the policy leaves a run of one kind only when the other makes a token
-`switch_margin` (5%) cheaper by the measured costs and acceptance; inside that band it keeps
-what it runs, which costs at most the margin. (Set after that run; not yet measured.)
+overlap pipeline or catches deferred rows up): on an H100 in session 37 a batch-32 MTP run on
+held-out prompts that verified about 60% of its steps ran 0.73x of plain decoding, where
+all-verify ran 0.79x and all-plain 0.86x. So the policy leaves a run of one kind only when the
+other makes a token `switch_margin` (5%) cheaper by the measured costs and acceptance; inside
+that band it keeps what it runs, which costs at most the margin. (Set after that run; not yet
+measured on a GPU.)
 """
 
 from __future__ import annotations
