@@ -90,6 +90,8 @@ has profile && TAILN=12 run profile 170 python3 benchmarks/profile_step.py --voc
 has profdef && TAILN=12 run profdef 170 python3 benchmarks/profile_step.py --model default --out "$LOGS/profile_def.txt"
 # issue 30: a verify step's host time beside its kernels (default model, MTP k = 3, fixed policy)
 has profmtp && TAILN=12 run profmtp 170 python3 benchmarks/profile_step.py --model default --spec mtp --out "$LOGS/profile_mtp.txt"
+# MTP on with every step forced plain (issue 30: the 8-14% that being on costs, against profdef)
+has profmtpplain && TAILN=12 run profmtpplain 170 python3 benchmarks/profile_step.py --model default --spec mtp --plain --out "$LOGS/profile_mtp_plain.txt"
 # the same with verify steps chained (--overlap-verify): device time per step beside the wall
 has profmtpov && TAILN=12 run profmtpov 170 python3 benchmarks/profile_step.py --model default --spec mtp --overlap-verify --out "$LOGS/profile_mtp_ov.txt"
 has stepoff && DS_GEMV_MAX_ROWS=0 run stepoff 90 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --disable-overlap-schedule --out "$LOGS/stepoff.json"

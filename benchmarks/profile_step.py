@@ -12,6 +12,7 @@ prompt's first token; then torch.profiler's top CPU ops and CUDA kernels of that
     python benchmarks/profile_step.py --vocab 248320 --disable-overlap-schedule  # synchronous
     python benchmarks/profile_step.py --model default --spec mtp --out profile_mtp.txt
     python benchmarks/profile_step.py --model default --spec mtp --overlap-verify  # chained
+    python benchmarks/profile_step.py --model default --spec mtp --plain  # on, never verifying
 
 With --spec ALGO (k = 3, fixed policy: every decode step verifies) the decode figures are verify
 steps' (issue 30: a verify step cost 3.1 plain steps on the default model). torch.profiler
@@ -146,9 +147,13 @@ def main() -> None:
                     help="speculative decoding, k = 3, every step a verify (fixed policy)")
     ap.add_argument("--overlap-verify", action="store_true",
                     help="with --spec mtp: verify steps chained behind unlanded ones")
+    ap.add_argument("--plain", action="store_true",
+                    help="with --spec: the adaptive engine with every decode step forced to "
+                         "plain decode (what speculation being on costs a step)")
     args = ap.parse_args()
     spec = (dict(speculative_algorithm=args.spec, speculative_num_steps=3,
-                 speculative_policy="fixed", overlap_verify=args.overlap_verify)
+                 speculative_policy="adaptive" if args.plain else "fixed",
+                 overlap_verify=args.overlap_verify)
             if args.spec else {})
     out = []
 
@@ -165,6 +170,8 @@ def main() -> None:
         llm = LLM(path, device="cuda", dtype="bfloat16", kv_memory_gb=8.0, page_size=16,
                   chunk_size=8192, max_num_batched_tokens=8192, max_running_reqs=64,
                   overlap_schedule=not args.disable_overlap_schedule, **spec)
+        if args.plain:
+            llm.engine.scheduler.choose_drafts = lambda reqs: 0
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         dec = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
         for b in (1, 32):  # warm-up: graphs, Triton compiles
@@ -207,7 +214,7 @@ def main() -> None:
             "(the 128-token prefill included) ===")
         say(torch_profile(lambda: llm.generate([prompt(128, args.vocab, 401)], dec),
                           steps=lambda: llm.engine.num_steps))
-        if args.spec:
+        if args.spec and not args.plain:
             say(f"acceptance length {llm.engine.acceptance_length}")
         llm.engine.flush_cache()
         say("=== torch.profiler: ttft 256 ===")
