@@ -249,6 +249,15 @@ def test_malformed_requests_are_400_and_unknown_routes_404(client):
                          ("temperature", "0.5"), ("temperature", 1e308), ("seed", 2**64)]:
         r = client.post("/v1/completions", json={"prompt": "Hi", field: value})
         assert_openai_error(r, 400, field)
+    # a valid seed whose last choice's seed + i is not: a 400, in both APIs, streamed or not
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    for path, body, extra in [("/v1/completions", {"prompt": "Hi"}, {"n": 2}),
+                              ("/v1/completions", {"prompt": "Hi"}, {"best_of": 2}),
+                              ("/v1/completions", {"prompt": "Hi"}, {"n": 2, "stream": True}),
+                              ("/v1/chat/completions", chat, {"n": 2}),
+                              ("/v1/chat/completions", chat, {"n": 2, "stream": True})]:
+        r = client.post(path, json={**body, "seed": 2**64 - 1, "max_tokens": 1, **extra})
+        assert "seed + n - 1" in assert_openai_error(r, 400, "seed")["message"]
     booleans = client.post("/v1/completions", json={"prompt": [True, False]})
     assert_openai_error(booleans, 400, "prompt")
     null_prompt = client.post("/v1/completions", json={"prompt": None})

@@ -181,12 +181,13 @@ class OpenAIServing:
         params.logprobs = body.logprob_count()
         params.structured, spec_param = grammar_spec(body)
         n = body.num_samples()
+        # checked before the copies are built: SamplingParams refuses such a seed itself, and
+        # that ValueError would be a 500
+        if params.seed is not None and not valid_seed(params.seed + n - 1):
+            raise InvalidRequest("seed + n - 1 must stay in [-2**63, 2**64) (choice i "
+                                 "samples with seed + i)", "seed")
         out = [params] + [replace(params, seed=None if params.seed is None else params.seed + i)
                           for i in range(1, n)]
-        for p in out[1:]:
-            if p.seed is not None and not valid_seed(p.seed):
-                raise InvalidRequest("seed + n - 1 must stay in [-2**63, 2**64) (choice i "
-                                     "samples with seed + i)", "seed")
         return out, spec_param
 
     async def _start(self, rid: str, body: _GenerationRequest, prompt_ids: list[int],
