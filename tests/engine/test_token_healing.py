@@ -10,7 +10,8 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.default_model import random_model_path
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.grammar import GrammarSpec
-from deltaserve.engine.healing import TokenHealer, bitmask_row
+from deltaserve.core import Batch, Phase, Req
+from deltaserve.engine.healing import TokenHealer, bitmask_row, mask_healing
 from drained import assert_drained
 
 PROMPTS = [
@@ -162,3 +163,93 @@ def test_the_detokenizer_skips_the_removed_text_once(llm):
     for t in ids:
         d.append(t)
     assert d.take_new_text(final=True) == "\n    return x\n"
+
+
+SPLIT = ["def f(x):\n    ", "def f(x):\n        "]  # the random model's first pick: "\n   "
+
+
+def test_the_allowed_tokens_extend_or_are_a_proper_prefix_of_what_is_left(llm):
+    healer = llm.engine.healer
+    rest = b"\n    "
+    allowed = healer.allowed(rest)
+    assert allowed == sorted(set(allowed))
+    want = {t for t, data in enumerate(healer.token_bytes)
+            if data and (data.startswith(rest) or (len(data) < len(rest)
+                                                  and rest.startswith(data)))}
+    assert set(allowed) == want
+    three = llm.tokenizer.get_vocab()["\u010a\u0120\u0120\u0120"]  # "\n   "
+    assert three in allowed and three not in healer.extending(rest)
+    h = healer.heal(llm.tokenizer.encode(SPLIT[0], add_special_tokens=False))
+    assert h.removed_text == "\n    " and torch.equal(h.allowed, h.mask(rest))
+    space = healer.extending(b" ")[0]
+    assert h.remaining([]) == rest
+    assert h.remaining([three]) == b" "  # a proper prefix: one space is still to come
+    assert h.remaining([three, space]) is None  # covered
+    assert h.remaining([healer.extending(rest)[0]]) is None  # extended at once
+    assert torch.equal(h.mask(b" "), bitmask_row(healer.allowed(b" "), healer.vocab_size))
+
+
+def healed_greedy(path: str, healer: TokenHealer, ids: list[int], n: int) -> list[int]:
+    """The oracle: transformers' greedy continuation of ids[:-1] where, until the text of the
+    backed-up token ids[-1] is covered, each token is the best of those allowed (fp32)."""
+    from deltaserve.model.testing import transformers_torch_kernels
+    from oracle import reference_model
+
+    model, seq, out = reference_model(path), list(ids[:-1]), []
+    rest = healer.token_bytes[ids[-1]]
+    for _ in range(n):
+        with torch.inference_mode(), transformers_torch_kernels():
+            logits = model(torch.tensor([seq])).logits[0, -1]
+        if rest is None:
+            t = int(torch.argmax(logits))
+        else:
+            allowed = healer.allowed(rest)
+            t = allowed[int(torch.argmax(logits[allowed]))]
+            data = healer.token_bytes[t]
+            rest = rest[len(data):] if len(data) < len(rest) and rest.startswith(data) else None
+        out.append(t)
+        seq.append(t)
+    return out
+
+
+@pytest.mark.parametrize("algo", [None, "mtp", "ngram"])
+def test_a_removed_text_split_over_two_tokens_continues_the_prompt(path, algo):
+    kw = dict(speculative_algorithm=algo, speculative_num_steps=3,
+              speculative_policy="fixed") if algo else {}
+    eng_llm = LLM(path, device="cpu", dtype="float32", **kw)
+    tok, healer = eng_llm.tokenizer, eng_llm.engine.healer
+    outs = eng_llm.generate(SPLIT, greedy(10, token_healing=True))
+    for prompt, out in zip(SPLIT, outs):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        removed = healer.token_bytes[ids[-1]]
+        first = healer.token_bytes[out.token_ids[0]]
+        assert len(first) < len(removed) and removed.startswith(first)  # the path under test
+        assert healer.token_bytes[out.token_ids[1]].startswith(removed[len(first):])
+        assert out.token_ids == healed_greedy(path, healer, ids, 10)
+        assert tok.decode(ids[:-1] + out.token_ids) == prompt + out.text
+    assert_drained(eng_llm.engine)
+
+
+def test_a_verify_step_masks_each_row_while_its_drafts_leave_text_to_come(llm):
+    """Rows 0..j of a request are masked while the output and drafts 1..j leave some of the
+    removed text to come (each with the mask of what is left), and no row after that."""
+    healer, vocab = llm.engine.healer, llm.tokenizer.get_vocab()
+    ids = llm.tokenizer.encode("x = [\n" + " " * 8, add_special_tokens=False)
+    h = healer.heal(ids)
+    assert h.removed_text == "\n" + " " * 8
+    nl, one, two = vocab["\u010a"], vocab["\u0120"], vocab["\u0120\u0120"]  # "\n", " ", "  "
+    req = Req(0, h.prompt_ids, greedy(token_healing=True), 64, output_ids=[nl], healing=h)
+    other = Req(1, [5, 6], greedy(), 64, output_ids=[7])
+    # left after the output and drafts 1..j: 8, 7, 5 spaces, then covered by a long draft
+    drafts = [[one, two, healer.extending(b" " * 5)[0]], [one, one, one]]
+    batch = Batch(Phase.VERIFY, [other, req], [4, 4], rows_per_req=4, draft_ids=drafts[::-1],
+                  num_drafts=[3, 3])
+    owners = [other] * 4 + [req] * 4
+    logits = torch.zeros(8, healer.vocab_size)
+    assert mask_healing(logits, batch, owners)
+    for row, rest in zip(range(4, 7), (b" " * 8, b" " * 7, b" " * 5)):
+        allowed = (logits[row] == 0).nonzero().flatten().tolist()
+        assert allowed == healer.allowed(rest), row
+    assert not torch.isinf(logits[:4]).any() and not torch.isinf(logits[7]).any()
+    req.output_ids = [healer.extending(h.removed_text.encode())[0]]  # covered: nothing masked
+    assert not mask_healing(logits.zero_(), batch, owners) and not torch.isinf(logits).any()

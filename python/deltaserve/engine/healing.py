@@ -1,4 +1,4 @@
-"""Token healing: back up the prompt's last token and make the first output token extend it.
+"""Token healing: back up the prompt's last token and make the output re-generate its text.
 
 A prompt that ends in the middle of what the tokenizer would merge gets an unnatural last
 token: byte-level BPE merges a newline with the indentation after it ("\\n" + 3 spaces is one
@@ -18,31 +18,63 @@ the model re-open what the prompt closed: on the default model's evaluation open
 (scripts/eval_default_model.py) a docstring ending in `'''` was continued as `''')`, and
 completions that parsed went from 15 to 12 of 20, while whitespace-only healing leaves those
 prompts alone and makes the "+ newline" form complete exactly as the bare one.
-The first token is constrained with the structured-output bitmask op (ops/token_mask.py).
+
+The constraint is on the text, not on one token: the natural tokenization of what follows the
+removed text may split it. A newline and 4 spaces before a docstring's opening quotes are
+"\\n" + 3 spaces, then a space + the quotes: that first token is a proper prefix of the removed
+"\\n" + 4 spaces and does not extend it, and when only extensions were allowed the model's best
+pick was "\\n" + 8 spaces: an 8-space docstring under a column-0 `def`. So until the removed
+text is covered each output token may extend what is left of it or be a proper prefix of it
+(Healing.remaining); a verify step's rows walk its drafts the same way, as grammar masks do.
+The masks use the structured-output bitmask op (ops/token_mask.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from deltaserve.core import Phase
 from deltaserve.ops.token_mask import apply_token_bitmask
 
 if TYPE_CHECKING:
-    from deltaserve.core import Req
+    from deltaserve.core import Batch, Req
 
 
 @dataclass(frozen=True, slots=True)
 class Healing:
     """One request's healing: the prompt without its last token, that token's text (which the
-    first output token's text starts with, and which is not handed out) and the allowed first
-    tokens as a bitmask row [ceil(V / 32)] int32 (xgrammar's layout, see ops/token_mask.py)."""
+    output's text starts with, and which is not handed out), the allowed first tokens as a
+    bitmask row [ceil(V / 32)] int32 (xgrammar's layout, see ops/token_mask.py) and the
+    healer that gives the masks of the later tokens while the removed text is not covered."""
 
     prompt_ids: list[int]
     removed_text: str
     allowed: torch.Tensor
+    healer: TokenHealer
+    _masks: dict[bytes, torch.Tensor] = field(default_factory=dict)
+
+    def remaining(self, tokens: list[int]) -> bytes | None:
+        """The bytes of the removed text still to come after output `tokens` (each a proper
+        prefix of what was left), or None once a token covered it (or, never under the
+        masks, left it)."""
+        rest = self.removed_text.encode("utf-8")
+        for t in tokens:
+            data = self.healer.token_bytes[t]
+            if not (len(data) < len(rest) and rest.startswith(data)):
+                return None
+            rest = rest[len(data):]
+        return rest
+
+    def mask(self, rest: bytes) -> torch.Tensor:
+        """The bitmask row of the tokens allowed when `rest` is left (TokenHealer.allowed)."""
+        row = self._masks.get(rest)
+        if row is None:
+            row = self._masks[rest] = bitmask_row(self.healer.allowed(rest),
+                                                  self.healer.vocab_size)
+        return row
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -98,10 +130,20 @@ class TokenHealer:
         for tid, data in enumerate(self.token_bytes):
             for end in range(1, len(data) + 1):
                 self.table.setdefault(data[:end], []).append(tid)
+        self.exact: dict[bytes, list[int]] = {}
+        for tid, data in enumerate(self.token_bytes):
+            if data:
+                self.exact.setdefault(data, []).append(tid)
 
     def extending(self, data: bytes) -> list[int]:
         """Ids of the tokens whose bytes start with `data` (ascending)."""
         return self.table.get(data, [])
+
+    def allowed(self, rest: bytes) -> list[int]:
+        """Ids of the tokens that may come next while `rest` of the removed text is left: those
+        that extend it and those that are a proper prefix of it (ascending)."""
+        prefixes = [t for end in range(1, len(rest)) for t in self.exact.get(rest[:end], ())]
+        return sorted(set(self.extending(rest)).union(prefixes))
 
     def heal(self, prompt_ids: list[int]) -> Healing | None:
         """The healing of `prompt_ids`, or None when its last token is left as it is."""
@@ -117,7 +159,8 @@ class TokenHealer:
             return None
         if self.whitespace_only and not text.isspace():
             return None
-        return Healing(list(prompt_ids[:-1]), text, bitmask_row(ids, self.vocab_size))
+        allowed = bitmask_row(self.allowed(data), self.vocab_size)
+        return Healing(list(prompt_ids[:-1]), text, allowed, self, {data: allowed})
 
 
 def bitmask_row(ids: list[int], vocab_size: int) -> torch.Tensor:
@@ -128,15 +171,36 @@ def bitmask_row(ids: list[int], vocab_size: int) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def healing_rows(owners: list[Req]) -> list[int]:
-    """Rows whose request is about to sample its first token with healing on."""
-    return [i for i, req in enumerate(owners) if req.healing is not None and not req.output_ids]
+def healing_pending(req: Req) -> bool:
+    """Whether `req`'s next token is still constrained by its healing."""
+    return req.healing is not None and req.healing.remaining(req.output_ids) is not None
 
 
-def mask_first_tokens(logits: torch.Tensor, owners: list[Req], rows: list[int]) -> None:
-    """Mask `logits` [M, V] in place so the first token of each healing row extends the
-    removed text; `rows` from healing_rows(owners)."""
+def mask_healing(logits: torch.Tensor, batch: Batch, owners: list[Req]) -> bool:
+    """Mask `logits` [M, V] in place so that each row of a request whose healing is pending
+    keeps to the removed text: owners[i] is row i's request (a verify batch: k+1 rows per
+    request in order, row j after the committed output and drafts 1..j). Returns whether any
+    row was masked."""
+    rows: list[tuple[int, bytes]] = []
+    if batch.phase is Phase.VERIFY:
+        per = batch.rows_per_req
+        drafts = batch.host_drafts() if any(healing_pending(r) for r in batch.reqs) else []
+        for i, req in enumerate(batch.reqs):
+            if not healing_pending(req):
+                continue
+            for j in range(batch.num_drafts[i] + 1):
+                rest = req.healing.remaining(req.output_ids + drafts[i][:j])
+                if rest is None:
+                    break
+                rows.append((i * per + j, rest))
+    else:
+        rows = [(i, rest) for i, req in enumerate(owners) if req.healing is not None
+                and (rest := req.healing.remaining(req.output_ids)) is not None]
+    if not rows:
+        return False
     bitmask = torch.zeros((logits.shape[0], (logits.shape[1] + 31) // 32), dtype=torch.int32)
-    for i in rows:
-        bitmask[i, : owners[i].healing.allowed.shape[0]] = owners[i].healing.allowed
-    apply_token_bitmask(logits, bitmask, rows)
+    for i, rest in rows:
+        row = owners[i].healing.mask(rest)
+        bitmask[i, : row.shape[0]] = row
+    apply_token_bitmask(logits, bitmask, [i for i, _ in rows])
+    return True

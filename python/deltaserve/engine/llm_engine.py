@@ -16,7 +16,7 @@ from deltaserve.engine.caches import build_caches
 from deltaserve.engine.cuda_graph import build_graph_runners
 from deltaserve.engine.forks import ForkGroups, parent_params
 from deltaserve.engine.grammar import GrammarBackend
-from deltaserve.engine.healing import TokenHealer, healing_rows, mask_first_tokens
+from deltaserve.engine.healing import TokenHealer, mask_healing
 from deltaserve.engine.logprobs import TokenLogprob, step_logprobs
 from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.overlap import OverlapScheduler
@@ -281,10 +281,8 @@ class LLMEngine:
         if constrained:  # after the forward (a graph's output buffer), before sampling
             self._grammar.mask(batch, out.logits, out.owners)
             greedy = None
-        healing = healing_rows(out.owners)
-        if healing:  # a first token that must extend the backed-up prompt token
-            mask_first_tokens(out.logits, out.owners, healing)
-            greedy = None
+        if mask_healing(out.logits, batch, out.owners):  # tokens that keep to the backed-up
+            greedy = None  # prompt token's text
         before = {r.rid: len(r.output_ids) for r in batch.reqs}
         if batch.phase is Phase.VERIFY:
             sampled = spec.accept(batch, out.logits, greedy, out.accepted)
