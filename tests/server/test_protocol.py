@@ -99,6 +99,14 @@ def test_a_refused_tool_choice_says_why(choice, says):
         chat(tool_choice=choice).check_supported()
 
 
+def test_tool_choice_auto_without_tools_is_refused():
+    with pytest.raises(InvalidRequest, match="tool_choice needs tools") as e:
+        chat(tool_choice="auto").check_supported()
+    assert e.value.param == "tool_choice"
+    chat(tool_choice="auto", tools=[{"type": "function", "function": {"name": "f"}}]
+         ).check_supported()
+
+
 def test_tool_choice_none_and_a_tool_result_message_are_accepted():
     """tool_choice "none" asks for what deltaserve does anyway; a tool message is plain text."""
     chat(tool_choice="none").check_supported()

@@ -45,6 +45,9 @@ def check_tools(body: ChatCompletionRequest) -> None:
         raise _invalid(f"tool_choice must be \"auto\" or \"none\" (OpenAI also defines "
                        f"\"required\" and a named function, which deltaserve does not "
                        f"support); got {json.dumps(choice)[:100]}", "tool_choice")
+    if choice not in (None, "none") and not body.tools:  # vLLM's rule (it was ignored)
+        raise _invalid("tool_choice needs tools: without them no call can be made",
+                       "tool_choice")
     for i, m in enumerate(body.messages):
         if m.tool_calls:
             if m.role != "assistant":
