@@ -16,6 +16,16 @@ returns the same tokens as speculation off: `same` counts requests with identica
 bf16 ulp at logit scale ~4-8 is 0.03), `diff` those that part anywhere else (a bug). Prints
 a table and writes JSON.
 
+Timing: every configuration of a batch size is built first, then timed in --rounds rounds,
+each running every configuration once (in a rotated order): a run of the prompts with one
+output token and one with all of them. Decode time is the best full run minus the best
+one-token run. On 12-06 one engine per configuration timed back to back read speculation off
+at batch 32 0.99 ms a step in one call and 0.49 in the next, beside 0.52 for a forced-plain
+n-gram engine. Interleaved, the arms share a slow spell of the machine; an engine that is
+slow for its whole life shows as a `paired` figure that stays off in every round.
+`paired` is the median over rounds of the off run's time over this one's in the same round;
+`spread` the slowest round over the fastest.
+
     python benchmarks/bench_spec.py --out spec.json [--model PATH] [--device cuda]
     python benchmarks/bench_spec.py --workload heldout --corpus build/corpus --batches 1,32
     python benchmarks/bench_spec.py --policies fixed,adaptive --batches 1,8,32,64 --ks 3
@@ -25,6 +35,7 @@ a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import statistics
@@ -68,54 +79,92 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(model: str | None, device: str, algo: str | None, k: int, batch: int,
-        max_tokens: int, args: argparse.Namespace, dtype: str = "auto",
-        fold: bool = True, policy: str = "fixed", mtp_graphs: bool = True,
-        overlap_verify: bool = False) -> dict:
-    kw = {}
-    if algo is not None:  # "plain": the adaptive engine with every decode step forced plain
-        kw = dict(speculative_algorithm=algo, speculative_num_steps=k,
-                  speculative_policy="adaptive" if policy == "plain" else policy,
-                  mtp_cuda_graphs=mtp_graphs and algo == "mtp", overlap_verify=overlap_verify)
-    llm = LLM(model, device=device, dtype=dtype, enable_prefix_cache=False,
-              max_running_reqs=max(batch, 8), **kw)
-    llm.engine.runner.fold_replay = fold
-    prompts = workload(llm, batch, llm.engine.model.config.vocab_size, args)
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts, params)  # warm-up
-    if policy == "adaptive":
-        warm_both_kinds(llm, prompts, params)
-    if policy == "plain":  # what speculation costs a step that does not speculate
-        llm.engine.scheduler.choose_drafts = lambda reqs: 0
-    before = graph_counts(llm.engine)
-    eng = llm.engine
-    kinds: list[int] = []  # the k of each decode step inside the timed runs
-    if algo is not None:
-        on_step = eng.policy.on_step
-        eng.policy.on_step = lambda k, b, s: (kinds.append(k), on_step(k, b, s))[1]
-    try:
-        decode_s = time_decode(llm, prompts, one, params, device)
-    finally:
-        if algo is not None:
-            eng.policy.on_step = on_step
-    # captures and eager steps inside the timed run (each capture costs tens of ms)
-    timed_counts = {key: graph_counts(eng)[key] - n for key, n in before.items()}
-    eng.spec_steps = eng.spec_committed = 0
-    gaps = record_gaps(llm, prompts, params) if algo is None else {}
-    costs = step_costs(llm, prompts, params, device) if algo is not None else {}
-    tokens = costs.pop("tokens") if algo is not None else gaps.pop("tokens")
-    name = (algo or "off") + ("" if fold else "/unf") + \
-        ("/eager" if algo == "mtp" and not mtp_graphs else "") + ("/ov" if overlap_verify else "")
-    return {"algo": name, "k": k if algo else 0, "batch": batch,
-            "policy": policy if algo else "-",
-            "decode_tok_s": batch * (max_tokens - 1) / max(decode_s, 1e-9),
-            "step_s": decode_s / max(max_tokens - 1, 1),
-            "acceptance_length": eng.acceptance_length if algo is not None else None,
-            "tokens": tokens, "timed_counts": timed_counts,
-            "timed_verify_share": sum(1 for k in kinds if k) / len(kinds) if kinds else None,
-            "gaps": gaps.get("gaps"),
-            "chained_steps": eng.overlap.verify.chained_steps if eng.overlap else 0, **costs}
+class Arm:
+    """One configuration of one batch size: its engine, built and warmed by `setup`, timed
+    once per round by `time_round` (every arm of a batch size is alive at once and the rounds
+    interleave them, so a slow spell of the machine hits every arm alike), read by `finish`."""
+
+    def __init__(self, model: str | None, device: str, algo: str | None, k: int, batch: int,
+                 args: argparse.Namespace, fold: bool = True, policy: str = "fixed",
+                 mtp_graphs: bool = True, overlap_verify: bool = False) -> None:
+        self.model, self.device, self.algo, self.k, self.batch = model, device, algo, k, batch
+        self.args, self.fold, self.policy = args, fold, policy
+        self.mtp_graphs, self.overlap_verify = mtp_graphs, overlap_verify
+        self.full: list[float] = []  # seconds of each round's run of max_tokens
+        self.prefill: list[float] = []  # and of its run of one token
+        self.kinds: list[int] = []  # the k of each decode step inside the timed runs
+
+    def setup(self) -> None:
+        algo, policy, args = self.algo, self.policy, self.args
+        kw = {}
+        if algo is not None:  # "plain": the adaptive engine with every decode step forced plain
+            kw = dict(speculative_algorithm=algo, speculative_num_steps=self.k,
+                      speculative_policy="adaptive" if policy == "plain" else policy,
+                      mtp_cuda_graphs=self.mtp_graphs and algo == "mtp",
+                      overlap_verify=self.overlap_verify)
+        llm = self.llm = LLM(self.model, device=self.device, dtype=args.dtype,
+                             enable_prefix_cache=False, max_running_reqs=max(self.batch, 8),
+                             **kw)
+        llm.engine.runner.fold_replay = self.fold
+        self.prompts = workload(llm, self.batch, llm.engine.model.config.vocab_size, args)
+        self.one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        self.params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                     ignore_eos=True)
+        llm.generate(self.prompts, self.params)  # warm-up
+        if policy == "adaptive":
+            warm_both_kinds(llm, self.prompts, self.params)
+        if policy == "plain":  # what speculation costs a step that does not speculate
+            llm.engine.scheduler.choose_drafts = lambda reqs: 0
+        self.before = graph_counts(llm.engine)
+
+    def time_round(self) -> None:
+        """One timed run of the prompt with one output token, then one of all of them."""
+        eng = self.llm.engine
+        if self.algo is not None:
+            on_step = eng.policy.on_step
+            eng.policy.on_step = lambda k, b, s: (self.kinds.append(k), on_step(k, b, s))[1]
+        try:
+            for params, times in ((self.one, self.prefill), (self.params, self.full)):
+                sync(self.device)
+                t0 = time.perf_counter()
+                self.llm.generate(self.prompts, params)
+                sync(self.device)
+                times.append(time.perf_counter() - t0)
+        finally:
+            if self.algo is not None:
+                eng.policy.on_step = on_step
+
+    def finish(self) -> dict:
+        """The row of this arm (the untimed runs for its token check and step costs first),
+        then its engine is dropped."""
+        llm, eng, algo, max_tokens = self.llm, self.llm.engine, self.algo, self.args.max_tokens
+        # captures and eager steps inside the timed runs (each capture costs tens of ms)
+        timed_counts = {key: graph_counts(eng)[key] - n for key, n in self.before.items()}
+        eng.spec_steps = eng.spec_committed = 0
+        gaps = record_gaps(llm, self.prompts, self.params) if algo is None else {}
+        costs = step_costs(llm, self.prompts, self.params, self.device) \
+            if algo is not None else {}
+        tokens = costs.pop("tokens") if algo is not None else gaps.pop("tokens")
+        # the best run of each kind (a pause of tens of ms inside a 12 ms run read 2-20x off
+        # on an H100 on 12-05), and each round's own difference for the spread
+        decode_s = min(self.full) - min(self.prefill)
+        rounds = [f - p for f, p in zip(self.full, self.prefill)]
+        name = (algo or "off") + ("" if self.fold else "/unf") + \
+            ("/eager" if algo == "mtp" and not self.mtp_graphs else "") + \
+            ("/ov" if self.overlap_verify else "")
+        kinds = self.kinds
+        row = {"algo": name, "k": self.k if algo else 0, "batch": self.batch,
+               "policy": self.policy if algo else "-",
+               "decode_tok_s": self.batch * (max_tokens - 1) / max(decode_s, 1e-9),
+               "step_s": decode_s / max(max_tokens - 1, 1),
+               "round_step_s": [r / max(max_tokens - 1, 1) for r in rounds],
+               "acceptance_length": eng.acceptance_length if algo is not None else None,
+               "tokens": tokens, "timed_counts": timed_counts,
+               "timed_verify_share": sum(1 for k in kinds if k) / len(kinds) if kinds else None,
+               "gaps": gaps.get("gaps"),
+               "chained_steps": eng.overlap.verify.chained_steps if eng.overlap else 0, **costs}
+        del self.llm
+        return row
 
 
 def graph_counts(eng) -> dict[str, int]:
@@ -180,25 +229,6 @@ def step_costs(llm: LLM, prompts: list[list[int]], params: SamplingParams,
             "verify_share": len(verify) / max(len(steps), 1)}
 
 
-REPEATS = 3  # timed runs per row (time_decode)
-
-
-def time_decode(llm: LLM, prompts: list[list[int]], one: SamplingParams,
-                params: SamplingParams, device: str) -> float:
-    """Seconds of decoding (CUDA graphs as configured): the best of `REPEATS` runs of all of
-    `params` minus the best of as many runs of the prefill with one token. (One run of each
-    read 2-20x off on an H100 on 12-05: a pause of tens of ms inside a 12 ms run.)"""
-    prefill, full = [], []
-    for _ in range(REPEATS):
-        for params_, times in ((one, prefill), (params, full)):
-            sync(device)
-            t0 = time.perf_counter()
-            llm.generate(prompts, params_)
-            sync(device)
-            times.append(time.perf_counter() - t0)
-    return min(full) - min(prefill)
-
-
 def record_gaps(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
     """An extra, untimed plain run that records the top-2 logit gap of every generated
     position (eager: each step must pass the recorder); {"tokens": [...], "gaps": [...]}."""
@@ -247,6 +277,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--tie-eps", type=float, default=0.07)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="timed runs of each configuration, interleaved with the others'")
     ap.add_argument("--out", default="spec.json")
     ap.add_argument("--unfolded", action="store_true",
                     help="also run each speculative config with the accepted rows replayed by "
@@ -267,8 +299,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        base = run(args.model, args.device, None, 0, batch, args.max_tokens, args, args.dtype)
-        rows.append(base)
+        arms = [Arm(args.model, args.device, None, 0, batch, args)]
         for algo in ("ngram", "mtp"):
             for k in [int(x) for x in args.ks.split(",")]:
                 modes = [m == "on" for m in args.mtp_graphs.split(",")] \
@@ -278,16 +309,33 @@ def main() -> None:
                 for fold, policy, graphs, ov in itertools.product(
                         (True, False) if args.unfolded else (True,),
                         args.policies.split(","), modes, overlaps):
-                    r = run(args.model, args.device, algo, k, batch, args.max_tokens,
-                            args, args.dtype, fold, policy, graphs, ov)
-                    r.update(compare(base, r, args.tie_eps))
-                    r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
-                    plain_s, v, d = base["step_s"], r["verify_step_s"], r["draft_s"]
-                    r["verify_x"] = (v - d) / plain_s if v and d is not None else None
-                    r["draft_x"] = d / k / plain_s if d is not None else None
-                    rows.append(r)
+                    arms.append(Arm(args.model, args.device, algo, k, batch, args, fold,
+                                    policy, graphs, ov))
+        for arm in arms:
+            arm.setup()
+        for r in range(args.rounds):  # each round in another order
+            for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+                arm.time_round()
+        base = arms[0].finish()
+        rows.append(base)
+        for arm in arms[1:]:
+            r = arm.finish()
+            r.update(compare(base, r, args.tie_eps))
+            r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
+            # the same round's two runs side by side: the median of their ratios
+            r["paired_speedup"] = statistics.median(
+                b / a for a, b in zip(r["round_step_s"], base["round_step_s"]))
+            plain_s, v, d = base["step_s"], r["verify_step_s"], r["draft_s"]
+            r["verify_x"] = (v - d) / plain_s if v and d is not None else None
+            r["draft_x"] = d / arm.k / plain_s if d is not None else None
+            rows.append(r)
+        del arms
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     print(f"{'algo':10s} {'policy':8s} {'k':>2s} {'batch':>5s} {'tok/s':>9s} {'accept':>7s} "
-          f"{'speedup':>7s} {'verify_x':>8s} {'draft_x':>7s} {'verify%':>7s} same/near-tie/diff")
+          f"{'speedup':>7s} {'paired':>6s} {'verify_x':>8s} {'draft_x':>7s} {'verify%':>7s} "
+          f"{'spread':>6s} same/near-tie/diff")
 
     def fmt(x, spec: str) -> str:
         return format(x, spec) if x is not None else "-"
@@ -296,9 +344,10 @@ def main() -> None:
         share = r.get("verify_share")
         print(f"{r['algo']:10s} {r['policy']:8s} {r['k']:2d} {r['batch']:5d} "
               f"{r['decode_tok_s']:9.1f} {fmt(r.get('acceptance_length'), '.2f'):>7s} "
-              f"{r.get('speedup', 1.0):7.2f} {fmt(r.get('verify_x'), '.2f'):>8s} "
-              f"{fmt(r.get('draft_x'), '.2f'):>7s} "
+              f"{r.get('speedup', 1.0):7.2f} {fmt(r.get('paired_speedup'), '.2f'):>6s} "
+              f"{fmt(r.get('verify_x'), '.2f'):>8s} {fmt(r.get('draft_x'), '.2f'):>7s} "
               f"{fmt(share * 100 if share is not None else None, '.0f'):>7s} "
+              f"{max(r['round_step_s']) / min(r['round_step_s']):6.2f} "
               f"{r.get('same', '-')}/{r.get('near_ties', '-')}/{r.get('diff', '-')}")
     for r in rows:  # what happened inside the timed run besides graph replays
         busy = {key: n for key, n in r["timed_counts"].items() if n}
