@@ -34,9 +34,11 @@ def new_req(prompt_ids: list[int], params: SamplingParams, rid: int, vocab: int,
     params.validate()
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    # bool is an int subclass: [True, False] is a mistake, not the ids [1, 0]
-    if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab
-           for t in prompt_ids):
+    # bool is an int subclass: [True, False] is a mistake, not the ids [1, 0]. The checks run
+    # at C speed (a generator over the ids took 1.9 ms of an 8.5k-token follow-up's TTFT)
+    types = set(map(type, prompt_ids))
+    if any(not issubclass(tp, int) or issubclass(tp, bool) for tp in types) \
+            or min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
         raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
         raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
