@@ -177,3 +177,18 @@ def test_a_truncated_safetensors_file_is_a_value_error_naming_it(editable_checkp
     with pytest.raises(ValueError, match="not a readable safetensors file") as e:
         load_model(path, torch.float32, progress=False)
     assert shard.name in str(e.value)
+
+
+@pytest.mark.parametrize(("level", "drawn"), [("WARNING", True), ("ERROR", False)])
+def test_the_progress_bar_is_drawn_unless_logging_asks_for_errors_only(tiny_checkpoint, capsys,
+                                                                       level, drawn):
+    import logging
+
+    log = logging.getLogger("deltaserve")
+    before = log.level
+    log.setLevel(level)
+    try:
+        load_model(tiny_checkpoint("qwen3_5_text"), torch.float32)
+    finally:
+        log.setLevel(before)
+    assert ("Loading" in capsys.readouterr().err) is drawn

@@ -143,9 +143,10 @@ class _Filler:
         by_file: dict[Path, list[str]] = {}
         for key, f in self.key_files.items():
             by_file.setdefault(f, []).append(key)
+        # the bar goes with warnings: `--log-level error` asked for quiet (it was still drawn)
+        quiet = not self.progress or not logger.isEnabledFor(logging.WARNING)
         with torch.no_grad(), tqdm(total=len(self.key_files), unit="tensor",
-                                   desc=f"Loading {self.path.name}",
-                                   disable=not self.progress) as bar:
+                                   desc=f"Loading {self.path.name}", disable=quiet) as bar:
             for f, keys in by_file.items():
                 with safe_open(f, framework="pt") as handle:
                     for key in keys:
