@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.core import Batch, Phase, Req
 from deltaserve.default_model import random_model_path
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.grammar import GrammarSpec
-from deltaserve.core import Batch, Phase, Req
 from deltaserve.engine.healing import TokenHealer, bitmask_row, mask_healing
 from drained import assert_drained
 
