@@ -58,3 +58,20 @@ def test_a_prefill_attention_call_never_waits_for_the_device(starts):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("per_request", [True, False])
+def test_no_call_goes_to_cudnn_which_plans_every_new_shape(per_request):
+    """cuDNN's SDPA builds an execution plan per unseen shape (prefill_attention's docstring):
+    the kernels that run are flash or memory-efficient attention, at any length."""
+    from torch.profiler import ProfilerActivity, profile
+
+    starts, lens = [0, 300], [137, 61]
+    kc, vc, tables, q, k, v = on_gpu(*case(starts, lens, 16, hq=8, hkv=2, d=256, seed=3))
+    meta = AttentionMetadata.build(tables, starts, lens, 16, DEV, per_request=per_request)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        prefill_attention(meta, kc, vc, q, k, v)
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    assert any("attention" in n.lower() for n in names)  # the probe sees SDPA at all
+    assert not any("cudnn" in n.lower() for n in names), names

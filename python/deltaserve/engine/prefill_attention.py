@@ -15,6 +15,11 @@ Indices are built once per forward on the host with numpy and uploaded in one co
   into [N, Rmax, Hq, D], one SDPA with a boolean mask built on the device. The CPU reference
   runs this path with the same mask and gather as before, so its bits are unchanged.
 Scale D^-1/2 (SDPA's default, the model's `scaling`).
+
+SDPA runs with cuDNN's backend left out (`SDPA_BACKENDS`): on sm90+ torch 2.11 tries cuDNN
+first, and cuDNN builds an execution plan for every shape it has not seen, while every new
+prompt length (and every MTP catch-up of a new row count) is a new shape. Flash and
+memory-efficient attention have no per-shape set-up.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 PER_REQUEST_MAX = 4
 PADDED_MAX = 1 << 24  # N * max rows * max positions of the padded path (its mask's elements)
 
@@ -139,10 +146,9 @@ def _causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.
     qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, keys, values))
     rows, length = q.shape[0], keys.shape[0]
     if rows == length:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        out = _sdpa(qh, kh, vh, is_causal=True)
     else:
-        out = F.scaled_dot_product_attention(qh, kh, vh,
-                                             attn_mask=causal_lower_right(rows, length))
+        out = _sdpa(qh, kh, vh, attn_mask=causal_lower_right(rows, length))
     return out[0].transpose(0, 1).contiguous()
 
 
@@ -156,9 +162,15 @@ def _padded(meta: AttentionMetadata, k_flat: torch.Tensor, v_flat: torch.Tensor,
     if hq != hkv:
         keys = keys.repeat_interleave(hq // hkv, dim=2)
         values = values.repeat_interleave(hq // hkv, dim=2)
-    out = F.scaled_dot_product_attention(
+    out = _sdpa(
         q_pad.transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
         values.transpose(1, 2).to(q.dtype), attn_mask=meta.mask)  # [N, Hq, R, D]
     flat = q.new_empty(num_rows + 1, hq, d)
     flat[meta.row_index] = out.transpose(1, 2)
     return flat[:num_rows]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """F.scaled_dot_product_attention among SDPA_BACKENDS (module docstring: why)."""
+    with sdpa_kernel(SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
