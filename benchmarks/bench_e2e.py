@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -188,6 +189,10 @@ def main() -> None:
             res[f"decode_b{batch}_tok_s"] = batch * (n - 1) / max(t_all - t_pre, 1e-9)
         res["ttft_256_s"] = min(ttft(llm, prompt(256, args.vocab, 4 + i), one)
                                 for i in range(3))
+        # what a user's prompt meets: a length this process has not run (one-time costs per
+        # shape, e.g. cuDNN's SDPA plans, 36 ms each on an H100: probe_sdpa_shapes.py)
+        res["ttft_new_length_s"] = statistics.median(
+            ttft(llm, prompt(n, args.vocab, 40 + n), one) for n in (241, 243, 245))
         res.update(prefill_launch_figures(llm, args.vocab, args.prefill_tokens))
         if args.profile:
             res["profile"] = profile_tables(llm, args.vocab)
@@ -251,6 +256,7 @@ def report(res: dict, args) -> None:
               f"); decode {r['tok_s']:.0f} tok/s, graph-bound {r['device_tok_s']:.0f} tok/s",
               flush=True)
     for key in ("prefill_tok_s", "decode_b1_tok_s", "decode_b32_tok_s", "ttft_256_s",
+                "ttft_new_length_s",
                 "prefill_256_forwards", "prefill_256_kernels_per_forward",
                 "prefill_256_triton_kernels_per_forward", "prefill_256_device_share",
                 "prefill_long_forwards", "prefill_long_kernels_per_forward",
