@@ -11,7 +11,7 @@ from deltaserve.core import Batch, Phase, Req
 from deltaserve.default_model import random_model_path
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.grammar import GrammarSpec
-from deltaserve.engine.healing import TokenHealer, bitmask_row, mask_healing
+from deltaserve.engine.healing import FOLLOWERS, TokenHealer, bitmask_row, mask_healing
 from drained import assert_drained
 
 PROMPTS = [
@@ -165,18 +165,22 @@ def test_the_detokenizer_skips_the_removed_text_once(llm):
     assert d.take_new_text(final=True) == "\n    return x\n"
 
 
-SPLIT = ["def f(x):\n    ", "def f(x):\n        "]  # the random model's first pick: "\n   "
+SPLIT = ["def f(x):\n    ", "def f(x):\n        "]
 
 
-def test_the_allowed_tokens_extend_or_are_a_proper_prefix_of_what_is_left(llm):
-    healer = llm.engine.healer
+def test_the_allowed_tokens_extend_or_are_a_proper_prefix_the_tokenizer_puts_first(llm):
+    healer, tok = llm.engine.healer, llm.tokenizer
     rest = b"\n    "
     allowed = healer.allowed(rest)
     assert allowed == sorted(set(allowed))
+    firsts = {tok.encode("\n    " + c, add_special_tokens=False)[0] for c in FOLLOWERS}
     want = {t for t, data in enumerate(healer.token_bytes)
             if data and (data.startswith(rest) or (len(data) < len(rest)
-                                                  and rest.startswith(data)))}
+                                                  and rest.startswith(data) and t in firsts))}
     assert set(allowed) == want
+    # a lone "\n" is a proper prefix too, but the tokenizer never splits "\n" + spaces after
+    # it: it would leave 4 spaces for one-space tokens (a fresh user's blank-line prompts)
+    assert tok.get_vocab()["\u010a"] not in allowed
     three = llm.tokenizer.get_vocab()["\u010a\u0120\u0120\u0120"]  # "\n   "
     assert three in allowed and three not in healer.extending(rest)
     h = healer.heal(llm.tokenizer.encode(SPLIT[0], add_special_tokens=False))
@@ -219,14 +223,20 @@ def test_a_removed_text_split_over_two_tokens_continues_the_prompt(path, algo):
     eng_llm = LLM(path, device="cpu", dtype="float32", **kw)
     tok, healer = eng_llm.tokenizer, eng_llm.engine.healer
     outs = eng_llm.generate(SPLIT, greedy(10, token_healing=True))
+    split = 0
     for prompt, out in zip(SPLIT, outs):
         ids = tok.encode(prompt, add_special_tokens=False)
         removed = healer.token_bytes[ids[-1]]
         first = healer.token_bytes[out.token_ids[0]]
-        assert len(first) < len(removed) and removed.startswith(first)  # the path under test
-        assert healer.token_bytes[out.token_ids[1]].startswith(removed[len(first):])
+        if len(first) < len(removed):  # the path under test: a proper prefix first
+            split += 1
+            assert removed.startswith(first)
+            assert healer.token_bytes[out.token_ids[1]].startswith(removed[len(first):])
+        else:
+            assert first.startswith(removed)
         assert out.token_ids == healed_greedy(path, healer, ids, 10)
         assert tok.decode(ids[:-1] + out.token_ids) == prompt + out.text
+    assert split == 1  # the random model's pick for the first prompt: "\n   ", then " ..."
     assert_drained(eng_llm.engine)
 
 

@@ -24,9 +24,13 @@ removed text may split it. A newline and 4 spaces before a docstring's opening q
 "\\n" + 3 spaces, then a space + the quotes: that first token is a proper prefix of the removed
 "\\n" + 4 spaces and does not extend it, and when only extensions were allowed the model's best
 pick was "\\n" + 8 spaces: an 8-space docstring under a column-0 `def`. So until the removed
-text is covered each output token may extend what is left of it or be a proper prefix of it
-(Healing.remaining); a verify step's rows walk its drafts the same way, as grammar masks do.
-The masks use the structured-output bitmask op (ops/token_mask.py).
+text is covered each output token may extend what is left of it, or be a proper prefix of it
+that the tokenizer itself puts first in that text followed by some word, digit, quote,
+bracket or whitespace (TokenHealer.allowed): "\\n" + 3 spaces before " x", never a lone "\\n",
+which leaves 4 spaces that only unnatural one-space tokens can produce (a fresh user's
+"blank line, then indentation" prompts answered with nothing but spaces that way). A verify
+step's rows walk their drafts the same way, as grammar masks do (Healing.remaining). The masks
+use the structured-output bitmask op (ops/token_mask.py).
 """
 
 from __future__ import annotations
@@ -113,6 +117,11 @@ def token_bytes(tokenizer, vocab_size: int) -> list[bytes]:
     return out + [b""] * (vocab_size - n)
 
 
+# what may follow the text left of a removed token, to find where the tokenizer splits it
+FOLLOWERS = ("x", "X", "_", "1", '"', "'", "(", "[", "{", "#", "@", ".", ",", ":", "-", " ",
+             "\n", "\t", "\u00e9")
+
+
 class TokenHealer:
     """The prefix table of one tokenizer and the healing of prompts against it.
 
@@ -134,6 +143,8 @@ class TokenHealer:
         for tid, data in enumerate(self.token_bytes):
             if data:
                 self.exact.setdefault(data, []).append(tid)
+        self._encode = tokenizer.encode
+        self._firsts: dict[bytes, set[int]] = {}  # _first_tokens, per text left
 
     def extending(self, data: bytes) -> list[int]:
         """Ids of the tokens whose bytes start with `data` (ascending)."""
@@ -141,9 +152,26 @@ class TokenHealer:
 
     def allowed(self, rest: bytes) -> list[int]:
         """Ids of the tokens that may come next while `rest` of the removed text is left: those
-        that extend it and those that are a proper prefix of it (ascending)."""
+        that extend it, and those that are a proper prefix of it and the tokenizer's first
+        token of `rest` followed by one of FOLLOWERS (ascending; module docstring: why)."""
         prefixes = [t for end in range(1, len(rest)) for t in self.exact.get(rest[:end], ())]
+        if prefixes:
+            firsts = self._first_tokens(rest)
+            prefixes = [t for t in prefixes if t in firsts]
         return sorted(set(self.extending(rest)).union(prefixes))
+
+    def _first_tokens(self, rest: bytes) -> set[int]:
+        firsts = self._firsts.get(rest)
+        if firsts is None:
+            try:
+                text = rest.decode("utf-8")
+            except UnicodeDecodeError:  # a character cut in two: extensions only
+                firsts = set()
+            else:
+                firsts = {ids[0] for c in FOLLOWERS
+                          if (ids := self._encode(text + c, add_special_tokens=False))}
+            self._firsts[rest] = firsts
+        return firsts
 
     def heal(self, prompt_ids: list[int]) -> Healing | None:
         """The healing of `prompt_ids`, or None when its last token is left as it is."""
