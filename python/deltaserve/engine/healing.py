@@ -58,13 +58,14 @@ class Healing:
     removed_text: str
     allowed: torch.Tensor
     healer: TokenHealer
+    removed: bytes  # removed_text's bytes
     _masks: dict[bytes, torch.Tensor] = field(default_factory=dict)
 
     def remaining(self, tokens: list[int]) -> bytes | None:
         """The bytes of the removed text still to come after output `tokens` (each a proper
         prefix of what was left), or None once a token covered it (or, never under the
         masks, left it)."""
-        rest = self.removed_text.encode("utf-8")
+        rest = self.removed
         for t in tokens:
             data = self.healer.token_bytes[t]
             if not (len(data) < len(rest) and rest.startswith(data)):
@@ -188,7 +189,7 @@ class TokenHealer:
         if self.whitespace_only and not text.isspace():
             return None
         allowed = bitmask_row(self.allowed(data), self.vocab_size)
-        return Healing(list(prompt_ids[:-1]), text, allowed, self, {data: allowed})
+        return Healing(list(prompt_ids[:-1]), text, allowed, self, data, {data: allowed})
 
 
 def bitmask_row(ids: list[int], vocab_size: int) -> torch.Tensor:
@@ -212,10 +213,10 @@ def mask_healing(logits: torch.Tensor, batch: Batch, owners: list[Req]) -> bool:
     rows: list[tuple[int, bytes]] = []
     if batch.phase is Phase.VERIFY:
         per = batch.rows_per_req
-        drafts = batch.host_drafts() if any(healing_pending(r) for r in batch.reqs) else []
-        for i, req in enumerate(batch.reqs):
-            if not healing_pending(req):
-                continue
+        pending = [i for i, r in enumerate(batch.reqs) if healing_pending(r)]
+        drafts = batch.host_drafts() if pending else []
+        for i in pending:
+            req = batch.reqs[i]
             for j in range(batch.num_drafts[i] + 1):
                 rest = req.healing.remaining(req.output_ids + drafts[i][:j])
                 if rest is None:
