@@ -121,6 +121,9 @@ if has e2edef_ab; then
   done
   export PYTHONPATH=$head_path
 fi
+# issue 27: one-time TTFT costs by prompt length and the cached follow-up's extra time, profiled
+has ttftcosts && TAILN=${TTFT_TAIL:-40} run ttftcosts ${TTFT_T:-240} python3 benchmarks/probe_ttft_costs.py --vocab 248320 ${TTFT_ARGS:-} --out "$LOGS/ttft_costs.json"
+has ttftcostsdef && TAILN=20 run ttftcostsdef 150 python3 benchmarks/probe_ttft_costs.py --model default --out "$LOGS/ttft_costs_def.json"
 has moebench && TAILN=20 run moebench 90 python3 benchmarks/bench_moe.py --out "$LOGS/moe.json"
 has moe35 && TAILN=25 run moe35 ${MOE_T:-300} python3 benchmarks/bench_e2e.py --config qwen3.6-35b-a3b --out "$LOGS/moe35.json"
 has long && TAILN=10 run long 150 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --out "$LOGS/long.json"
