@@ -43,16 +43,9 @@ from deltaserve import LLM, SamplingParams
 
 def build_checkpoint(path: str, hidden: int, layers: int, vocab: int) -> int:
     """Random Qwen3.5-style checkpoint (3 GDN : 1 attention) in bf16; returns its parameters."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM
 
-    cfg = Qwen3_5TextConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 3.5),
-        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=65536,
-        tie_word_embeddings=True, eos_token_id=vocab - 1,
-        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                     for i in range(layers)])
+    cfg = e2e_configs.dense_config(hidden, layers, vocab)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16)

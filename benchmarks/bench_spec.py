@@ -39,8 +39,10 @@ import gc
 import itertools
 import json
 import statistics
+import tempfile
 import time
 
+import e2e_configs  # a sibling script
 import torch
 
 from deltaserve import LLM, SamplingParams
@@ -102,9 +104,12 @@ class Arm:
                       speculative_policy="adaptive" if policy == "plain" else policy,
                       mtp_cuda_graphs=self.mtp_graphs and algo == "mtp",
                       overlap_verify=self.overlap_verify)
-        llm = self.llm = LLM(self.model, device=self.device, dtype=args.dtype,
-                             enable_prefix_cache=False, max_running_reqs=max(self.batch, 8),
-                             **kw)
+        if args.config is not None:  # random weights from config.json alone
+            kw.update(load_format="dummy", dtype="bfloat16")
+        else:
+            kw["dtype"] = args.dtype
+        llm = self.llm = LLM(self.model, device=self.device, enable_prefix_cache=False,
+                             max_running_reqs=max(self.batch, 8), **kw)
         llm.engine.runner.fold_replay = self.fold
         self.prompts = workload(llm, self.batch, llm.engine.model.config.vocab_size, args)
         self.one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -271,6 +276,10 @@ def compare(base: dict, row: dict, eps: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="checkpoint folder (default: embedded)")
+    ap.add_argument("--config", default=None, choices=["0.8b"],
+                    help="instead of --model: the 0.8B config (e2e_configs.dense_config) with "
+                         "one MTP layer, random weights (--load-format dummy), bf16; it has no "
+                         "tokenizer, so --workload repetitive repeats 40 token ids")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--ks", default="1,2,3,4")
@@ -297,6 +306,17 @@ def main() -> None:
                     help="MTP verify steps launched before the previous one lands "
                          "(engine/overlap_verify.py), comma-separated: off, on (rows mtp/ov)")
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.config is not None:
+            if args.model is not None or args.workload != "repetitive":
+                ap.error("--config 0.8b has random weights and no tokenizer: no --model, "
+                         "--workload repetitive")
+            e2e_configs.write_dense_config(tmp, mtp_layers=1)
+            args.model = tmp
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         arms = [Arm(args.model, args.device, None, 0, batch, args)]

@@ -144,6 +144,9 @@ has mtptest && run mtptest 90 python3 -m pytest -m gpu -q -x -p no:cacheprovider
 for w in ${SPEC_W:-heldout}; do
   has spec && TAILN=${SPEC_TAIL:-14} run spec_$w ${SPEC_T:-150} python3 benchmarks/bench_spec.py --workload $w --corpus build/spec_corpus --batches ${SPEC_B:-1,32} --ks 3 --max-tokens 64 --policies ${SPEC_P:-fixed,adaptive} --overlap-verify ${SPEC_OV:-off} --out "$LOGS/spec_$w.json"
 done
+# issue 30's 0.8B-config figures: a verify step (k = 3) and an MTP draft step against a plain
+# decode step (random weights with one MTP layer; n-gram on the repetitive workload)
+has spec08 && TAILN=${SPEC_TAIL:-14} run spec08 ${SPEC08_T:-200} python3 benchmarks/bench_spec.py --config 0.8b --workload repetitive --batches ${SPEC08_B:-1,32} --ks 3 --max-tokens 64 --policies ${SPEC08_P:-fixed} --overlap-verify ${SPEC08_OV:-off,on} --out "$LOGS/spec08.json"
 # issue 27, prefill: GPU tests of the prefill path (~2-4 min on a machine that has not compiled
 # fla-core's kernels yet), then TTFT-256 / 8k prefill beside kernels per forward
 has prefilltest && TAILN=12 run prefilltest ${PREFILLTEST_T:-400} python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/ops/test_gdn_prefill_gpu.py tests/ops/test_conv_qkv_gpu.py tests/engine/test_gpu_prefill_attention.py tests/engine/test_gpu_prefill.py

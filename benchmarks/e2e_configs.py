@@ -30,6 +30,31 @@ PEAK_TFLOPS = 989.0
 CONFIGS = ("qwen3.6-35b-a3b", "qwen3-next-80b-a3b")
 
 
+def dense_config(hidden: int = 1024, layers: int = 24, vocab: int = 248320,
+                 mtp_layers: int = 0):
+    """The 0.8B config (TARGETS.md: Qwen3.5-0.8B's shapes, 3 GDN : 1 attention, tied
+    embeddings) as a `Qwen3_5TextConfig`, at other sizes where given; `mtp_layers` MTP layers
+    announced (with `--load-format dummy` they get random weights like the rest)."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 3.5),
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=65536,
+        tie_word_embeddings=True, eos_token_id=vocab - 1, mtp_num_hidden_layers=mtp_layers,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                     for i in range(layers)])
+
+
+def write_dense_config(folder: str | Path, mtp_layers: int = 1) -> None:
+    """`folder/config.json` of the 0.8B config (bf16) with `mtp_layers` MTP layers, for a
+    `load_format="dummy"` engine (bench_spec.py --config 0.8b)."""
+    cfg = dense_config(mtp_layers=mtp_layers).to_dict()
+    cfg["dtype"] = "bfloat16"
+    Path(folder, "config.json").write_text(json.dumps(cfg, indent=2))
+
+
 def write_config(folder: str | Path, name: str, layers: int | None) -> dict:
     """Write `folder/config.json` for config `name` (cut to the first `layers` layers when
     given); returns the dict written. Raises ValueError for an unknown name."""

@@ -174,6 +174,29 @@ def test_a_new_request_starts_from_the_running_mean_and_release_forgets_it():
     assert 2.0 < p.acceptance(r) < 4.0
 
 
+def test_the_kept_mean_acceptance_follows_every_verify_release_and_batch():
+    """mean_acceptance is kept between calls; each call must still equal the mean computed
+    afresh, whatever changed in between."""
+    p = AdaptivePolicy(3, prior=2.0, smoothing=0.5)
+    a, b, c = _R(1), _R(2), _R(3)
+
+    def fresh(reqs):
+        return sum(p.acceptance(r) for r in reqs) / len(reqs)
+
+    batch = [a, b]
+    assert p.mean_acceptance(batch) == fresh(batch) == 2.0
+    p.on_verify([a], [4])  # a's EMA and the running mean (b's prior) move
+    assert p.mean_acceptance(batch) == fresh(batch) != 2.0
+    batch.append(c)  # the same list object, one more request
+    assert p.mean_acceptance(batch) == fresh(batch)
+    assert p.mean_acceptance([b, c]) == fresh([b, c])
+    p.on_verify([b], [1])
+    p.release(a)  # a falls back to the running mean
+    assert p.mean_acceptance([a, b]) == fresh([a, b])
+    p.on_step(0, 2, 1.0)  # a step's cost leaves acceptance as it is
+    assert p.mean_acceptance([a, b]) == fresh([a, b])
+
+
 def test_policy_names():
     assert isinstance(build_policy("fixed", 3), FixedPolicy)
     assert build_policy("fixed", 3).choose([_R(0)]) == 3

@@ -42,7 +42,6 @@ measured on a GPU.)
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -133,6 +132,10 @@ class AdaptivePolicy:
         self._runs: dict[int, _Run] = {}  # per bucket: the current run of one kind
         self._accept: dict[int, float] = {}  # rid -> acceptance length (EMA)
         self._global = self.prior
+        # the last batch's mean acceptance, kept while no verify or release changes it: a
+        # run of plain steps asks twice a step for the same requests (O(batch) each time)
+        self._accept_version = 0
+        self._mean_memo: tuple[int, list[Req], float] | None = None
 
     def cost(self, k: int, batch_size: int) -> float | None:
         """Median seconds of the last `window` steps of k drafts in this batch's bucket."""
@@ -141,13 +144,23 @@ class AdaptivePolicy:
     def acceptance(self, req: Req) -> float:
         return self._accept.get(req.rid, self._global)
 
+    def mean_acceptance(self, reqs: list[Req]) -> float:
+        """The mean of `acceptance` over reqs (memoised while the requests and the
+        acceptances stay the same: comparing the lists runs at C speed, by identity)."""
+        memo = self._mean_memo
+        if memo is not None and memo[0] == self._accept_version and memo[1] == reqs:
+            return memo[2]
+        mean = sum(self.acceptance(r) for r in reqs) / len(reqs)
+        self._mean_memo = (self._accept_version, list(reqs), mean)
+        return mean
+
     def choose(self, reqs: list[Req]) -> int:
         b = batch_bucket(len(reqs))
         for k in (self.k, 0):  # measure each kind min_samples times first
             if len(self._costs.get((b, k), ())) < self.min_samples:
                 return k
         verify, decode = self.cost(self.k, len(reqs)), self.cost(0, len(reqs))
-        mean_len = sum(self.acceptance(r) for r in reqs) / len(reqs)
+        mean_len = self.mean_acceptance(reqs)
         ratio = mean_len * decode / verify  # > 1: a token costs less through a verify
         run = self._runs.get(b)
         if run is None:
@@ -191,7 +204,7 @@ class AdaptivePolicy:
         if run is not None and run.k == k:  # the median once here, not at every choose()
             samples = self._costs.setdefault((b, k), deque(maxlen=self.window))
             samples.append(seconds)
-            self._medians[(b, k)] = statistics.median(samples)
+            self._medians[(b, k)] = _median(samples)
         if run is None:
             self._runs[b] = _Run(k, 1, self._next_interval(b, self.explore_every))
         elif k == run.k:
@@ -204,6 +217,7 @@ class AdaptivePolicy:
             run.k, run.probe, run.length = k, run.length >= run.interval, 1
 
     def on_verify(self, reqs: list[Req], committed: list[int]) -> None:
+        self._accept_version += 1
         a = self.smoothing
         for req, n in zip(reqs, committed):
             if n <= 0:
@@ -213,7 +227,15 @@ class AdaptivePolicy:
             self._global = (1 - a / 8) * self._global + (a / 8) * n
 
     def release(self, req: Req) -> None:
-        self._accept.pop(req.rid, None)
+        if self._accept.pop(req.rid, None) is not None:
+            self._accept_version += 1
+
+
+def _median(samples: deque[float]) -> float:
+    """statistics.median's value, without its overhead (this runs every decode step)."""
+    s = sorted(samples)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 def build_policy(name: str, k: int) -> FixedPolicy | AdaptivePolicy:
