@@ -233,6 +233,15 @@ class Req:
     def finished(self) -> bool:
         return self.status is ReqStatus.FINISHED
 
+    def output_budget(self) -> int:
+        """The output tokens this request may have: max_tokens, plus the token-healing tokens
+        that only re-generated the prompt text healing removed (engine/healing.py,
+        `Healing.silent`): they hand out no text, so a request for one token still gets one
+        token of new text."""
+        if self.healing is None:
+            return self.params.max_tokens
+        return self.params.max_tokens + self.healing.silent(self.output_ids)
+
     def admit(self, cached_len: int, slot: int, page_table: list[int], prefix_node: Any) -> None:
         """WAITING -> RUNNING with `cached_len` prompt tokens restored from the prefix cache."""
         assert self.status is ReqStatus.WAITING

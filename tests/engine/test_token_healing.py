@@ -234,7 +234,9 @@ def test_a_removed_text_split_over_two_tokens_continues_the_prompt(path, algo):
             assert healer.token_bytes[out.token_ids[1]].startswith(removed[len(first):])
         else:
             assert first.startswith(removed)
-        assert out.token_ids == healed_greedy(path, healer, ids, 10)
+        # 10 tokens of new text: a token inside the removed text comes on top
+        silent = healer.heal(ids).silent(out.token_ids)
+        assert out.token_ids == healed_greedy(path, healer, ids, 10 + silent)
         assert tok.decode(ids[:-1] + out.token_ids) == prompt + out.text
     assert split == 1  # the random model's pick for the first prompt: "\n   ", then " ..."
     assert_drained(eng_llm.engine)
@@ -263,3 +265,40 @@ def test_a_verify_step_masks_each_row_while_its_drafts_leave_text_to_come(llm):
     assert not torch.isinf(logits[:4]).any() and not torch.isinf(logits[7]).any()
     req.output_ids = [healer.extending(h.removed_text.encode())[0]]  # covered: nothing masked
     assert not mask_healing(logits.zero_(), batch, owners) and not torch.isinf(logits).any()
+
+
+def test_tokens_that_only_regenerate_the_removed_text_do_not_count_against_max_tokens(llm):
+    """A request for m tokens gets m tokens of new text: the healing tokens that re-generate
+    only the removed prompt text come on top, and usage counts the user's prompt and the new
+    tokens (max_tokens 1 once handed out "" when the one token was "\\n" + 3 spaces)."""
+    tok, healer, eng = llm.tokenizer, llm.engine.healer, llm.engine
+    silent_seen = 0
+    for prompt in PROMPTS[:2] + SPLIT:
+        ids = tok.encode(prompt, add_special_tokens=False)
+        full = llm.generate([prompt], greedy(8, token_healing=True))[0]
+        s = healer.heal(ids).silent(full.token_ids)
+        silent_seen += s
+        for m in (1, 2):
+            out = llm.generate([prompt], greedy(m, token_healing=True))[0]
+            assert out.token_ids == full.token_ids[:s + m]
+            assert out.finish_reason == "length" and out.text and full.text.startswith(out.text)
+            rid = eng.add_request(ids, greedy(m, token_healing=True))
+            last = None
+            while eng.has_unfinished():
+                last = next((o for o in eng.step() if o.rid == rid), last)
+            assert (last.prompt_tokens, last.completion_tokens) == (len(ids), m)
+    assert silent_seen >= 1  # "\n" + 4 spaces: "\n" + 3 spaces first, a silent token
+    assert_drained(eng)
+
+
+def test_silent_counts_the_leading_tokens_inside_the_removed_text(llm):
+    tok, healer = llm.tokenizer, llm.engine.healer
+    h = healer.heal(tok.encode(SPLIT[0], add_special_tokens=False))
+    assert h.removed == b"\n    "
+    by_bytes = {data: t for t, data in enumerate(healer.token_bytes) if data}
+    nl3, sp, nl4 = by_bytes[b"\n   "], by_bytes[b" "], by_bytes[b"\n    "]
+    x = tok.encode(" x", add_special_tokens=False)[0]
+    assert h.silent([]) == 0
+    assert h.silent([nl3, x, sp]) == 1  # " x" goes past the removed text
+    assert h.silent([nl3, sp, sp]) == 2  # all of it, then a token of new text
+    assert h.silent([nl4, sp]) == 1 and h.silent([x]) == 0

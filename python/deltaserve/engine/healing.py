@@ -73,6 +73,18 @@ class Healing:
             rest = rest[len(data):]
         return rest
 
+    def silent(self, tokens: list[int]) -> int:
+        """How many of the output `tokens`, from the first, hand out no text: each lies within
+        the removed text (a proper prefix of what was left, or all of it). They re-generate
+        the prompt's own text, so they do not count against max_tokens (`Req.output_budget`)."""
+        rest, n = self.removed, 0
+        for t in tokens:
+            data = self.healer.token_bytes[t]
+            if not rest or not data or not rest.startswith(data):
+                break
+            rest, n = rest[len(data):], n + 1
+        return n
+
     def mask(self, rest: bytes) -> torch.Tensor:
         """The bitmask row of the tokens allowed when `rest` is left (TokenHealer.allowed)."""
         row = self._masks.get(rest)

@@ -341,7 +341,11 @@ class LLMEngine:
                 new_text=req.detok.take_new_text(final=req.finished),
                 finished=req.finished,
                 finish_reason=req.finish_reason.value if req.finish_reason else None,
-                prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
+                # the user's prompt and the tokens of new text (healing backed one prompt
+                # token up and its first output tokens may only re-generate it)
+                prompt_tokens=req.prompt_len + (req.healing is not None),
+                completion_tokens=len(req.output_ids) - (
+                    req.healing.silent(req.output_ids) if req.healing is not None else 0),
                 cached_tokens=req.cached_len,
                 new_logprobs=logprobs.get(req.rid) if logprobs else None))
             if req.finished:

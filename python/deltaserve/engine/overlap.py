@@ -90,7 +90,7 @@ def finishes_by_length(req: Req) -> bool:
     """Whether the tokens launched for `req` (`req.ahead` of them) make it reach max_tokens or
     its max_len when they land, whatever they are: it must not get another row."""
     n = req.ahead
-    return len(req.output_ids) + n >= req.params.max_tokens or req.num_tokens + n >= req.max_len
+    return len(req.output_ids) + n >= req.output_budget() or req.num_tokens + n >= req.max_len
 
 
 class OverlapScheduler:

@@ -51,7 +51,10 @@ def new_req(prompt_ids: list[int], params: SamplingParams, rid: int, vocab: int,
     healing = table.heal(prompt_ids) if table is not None else None
     if healing is not None:  # the first output token re-generates the last prompt token
         prompt_ids = healing.prompt_ids
-    max_len = min(len(prompt_ids) + params.max_tokens, max_model_len)
+    # room for the healing tokens that re-generate the removed text (at most a token a byte),
+    # which max_tokens does not count (Req.output_budget)
+    extra = len(healing.removed) if healing is not None else 0
+    max_len = min(len(prompt_ids) + params.max_tokens + extra, max_model_len)
     req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, max_len=max_len,
               arrival_time=time.monotonic(), healing=healing)
     req.sample_seed = params.seed if params.seed is not None \

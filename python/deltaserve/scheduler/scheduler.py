@@ -306,7 +306,8 @@ class Scheduler:
         less between a batch-32 MTP verify step's sync and its next replay, bench_step_host);
         `_commit_each` is the same rule token by token."""
         detok = req.detok
-        if len(tokens) == 1 or (detok is not None and detok.watches_stops):
+        if len(tokens) == 1 or (detok is not None and detok.watches_stops) \
+                or req.healing is not None:  # a budget that grows while healing: one by one
             return self._commit_each(req, tokens)  # a decode step's one token: as cheap
         p = req.params
         # the token that reaches max_tokens or max_len finishes by length (at least the first:
@@ -343,7 +344,7 @@ class Scheduler:
             return FinishReason.STOP
         if req.detok is not None and req.detok.append(token):
             return FinishReason.STOP
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= req.max_len:
+        if len(req.output_ids) >= req.output_budget() or req.num_tokens >= req.max_len:
             return FinishReason.LENGTH
         return None
 
