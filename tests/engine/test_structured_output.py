@@ -104,6 +104,9 @@ def nested(depth: int) -> dict:
     (GrammarSpec("regex", "[^\\x00-\\U0010FFFF]"), "matches no output"),
     (GrammarSpec("regex", "a" * 70_000), "at most 65536"),
     (GrammarSpec("json_schema", json.dumps(nested(70))), "nests more than 64"),
+    (GrammarSpec("json_schema", '{"type": "integer", "minimum": 1e400}'), "not finite"),
+    (GrammarSpec("json_schema", '{"type": "object", "properties": {"a": {"enum": [1, NaN]}}}'),
+     "not finite"),
 ])
 def test_grammars_it_cannot_hold_the_output_to_are_refused(tiny, spec, match):
     """Keywords xgrammar accepts but does not enforce (a violating output would pass), a

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -103,6 +104,9 @@ class GrammarBackend:
                 parsed = json.loads(schema or "")
             except ValueError as e:
                 raise ValueError(f"{what} cannot be compiled: {e}") from e
+            if _has_non_finite(parsed):
+                raise ValueError(f"{what} has a number that is not finite (NaN, Infinity, or "
+                                 "past a double's range such as 1e400)")
             unenforced = _unenforced(parsed)
             if unenforced:
                 raise ValueError(f"{what} uses {unenforced}, which the grammar cannot enforce "
@@ -192,6 +196,22 @@ class GrammarBackend:
 
 def _live(req: Req) -> bool:
     return req.grammar is not None and not req.finished and not req.grammar.is_terminated()
+
+
+def _has_non_finite(value: Any) -> bool:
+    """Whether a parsed JSON value holds a float that is NaN or infinite anywhere (Python's
+    json reads NaN, Infinity and 1e400 so; xgrammar then fails on its own re-serialised
+    schema). Iterative: the size is bounded by MAX_GRAMMAR_CHARS, the nesting is not."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return True
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 def _unenforced(schema: Any, depth: int = 0) -> str | None:
