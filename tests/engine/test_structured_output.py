@@ -105,6 +105,12 @@ def nested(depth: int) -> dict:
     (GrammarSpec("regex", "a" * 70_000), "at most 65536"),
     (GrammarSpec("json_schema", json.dumps(nested(70))), "nests more than 64"),
     (GrammarSpec("json_schema", '{"type": "integer", "minimum": 1e400}'), "not finite"),
+    (GrammarSpec("json_schema", '{"anyOf": []}'), "an empty 'anyOf'"),
+    (GrammarSpec("json_schema", '{"type": "object", "properties": {"a": {"oneOf": []}}, '
+                                '"required": ["a"]}'), "an empty 'oneOf'"),
+    # xgrammar's own reason, without its assertion's wording ("Check failed: (...) is false")
+    (GrammarSpec("json_schema", '{"type": "integer", "minimum": 1e30}'),
+     "cannot be compiled: Integer exceeds maximum limit"),
     (GrammarSpec("json_schema", '{"type": "object", "properties": {"a": {"enum": [1, NaN]}}}'),
      "not finite"),
 ])

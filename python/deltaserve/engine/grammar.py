@@ -227,6 +227,9 @@ def _unenforced(schema: Any, depth: int = 0) -> str | None:
     for key in UNENFORCED_KEYWORDS:
         if key in schema:
             return f"'{key}'"
+    for key in ("anyOf", "oneOf"):  # xgrammar matches an empty output ("" as JSON) for them
+        if schema.get(key) == []:
+            return f"an empty '{key}' (no value matches it)"
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):  # xgrammar reads no other document
         return f"'$ref' to {ref[:100]!r} (only references inside the schema, '#/...', resolve)"
@@ -247,4 +250,6 @@ def _unenforced(schema: Any, depth: int = 0) -> str | None:
 def _client_message(error: Exception) -> str:
     """xgrammar's error text without its log prefix ("[05:51:57] /project/cpp/x.cc:94: "): a
     timestamp and a path inside the library mean nothing to the client."""
-    return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", str(error).strip())
+    text = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", str(error).strip())
+    # and its assertion's own wording ("Check failed: (val <= MAX_INT64_AS_DOUBLE) is false: ")
+    return re.sub(r"^Check failed: \(.*?\) is false:\s*", "", text)
