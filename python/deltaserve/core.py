@@ -192,6 +192,7 @@ class Req:
     detok: Any = None
     grammar: Any = None  # a grammar matcher at the committed output (structured output)
     healing: Any = None  # an engine.healing.Healing: the first output token is constrained
+    text_offsets: Any = None  # an engine.logprobs.TextOffsets (logprobs requested)
     arrival_time: float = 0.0
     first_token_time: float | None = None
 

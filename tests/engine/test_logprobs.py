@@ -88,3 +88,36 @@ def test_logprobs_of_accepted_drafts_come_from_their_own_verify_rows():
     for j, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
         assert abs(entry.logprob - float(ref[j, tok])) < 1e-5, j
         assert entry.top[0][0] == tok  # greedy: the committed token is its row's argmax
+
+
+@pytest.mark.parametrize("text, skip", [
+    ("x = 1\n    return 'é日本語 🐍'  # ünï\n", ""),
+    ("\n    y = 2\n", "\n"),  # token healing removed the prompt's "\n"
+])
+def test_text_offsets_index_the_returned_text_one_token_at_a_time_or_in_steps(text, skip):
+    """TextOffsets: token i starts where the output before it ends in the returned text (the
+    whole decode, less the healing's removed text); a token that leaves a character incomplete
+    starts where that character will; the offsets do not depend on how tokens are grouped."""
+    from transformers import AutoTokenizer
+
+    from deltaserve.default_model import default_model_path
+    from deltaserve.engine.logprobs import TextOffsets, TokenLogprob
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    ids = tok.encode(text, add_special_tokens=False)
+    returned = tok.decode(ids)[len(skip):]
+    want, done = [], 0
+    for i in range(len(ids)):
+        head = tok.decode(ids[:i])
+        if not head.endswith("\ufffd"):
+            done = max(0, len(head) - len(skip))
+        want.append(done)
+    assert any("\ufffd" in tok.decode(ids[i:i + 1]) for i in range(len(ids))) or skip
+    for group in (1, 3, len(ids)):
+        offsets = TextOffsets(tok, skip)
+        entries = [TokenLogprob(t, 0.0, []) for t in ids]
+        for i in range(0, len(ids), group):
+            offsets.assign(entries[i:i + group])
+        got = [e.text_offset for e in entries]
+        assert got == want
+        assert got[0] == 0 and all(o <= len(returned) for o in got)

@@ -65,6 +65,25 @@ def test_completion_logprobs_are_the_reference_log_softmax(oai, served, tiny_mod
         assert len(listed) == (3 if tok in top.indices.tolist() else 4)
 
 
+@pytest.mark.parametrize("prompt, healing", [
+    ("def f():\n", True),  # the first token re-generates the removed "\n" too
+    ("# 🐍 日本語 ", False),  # tokens that hold part of a character
+])
+def test_completion_text_offsets_index_the_text_streamed_and_not(oai, served, prompt, healing):
+    kwargs = dict(model=served.model, prompt=prompt, max_tokens=8, temperature=0, logprobs=1,
+                  extra_body={"ignore_eos": True, "token_healing": healing})
+    whole = oai.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in oai.completions.create(stream=True, **kwargs) if c.choices]
+    streamed = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    offsets = whole.logprobs.text_offset
+    assert streamed == offsets and "".join(c.text for c in chunks) == whole.text
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(whole.text)
+    tokens = whole.logprobs.tokens
+    for i, (t, a) in enumerate(zip(tokens, offsets)):  # a whole token's text is at its offset
+        if "\ufffd" not in t and (i or not healing):
+            assert whole.text[a:a + len(t)] == t
+
+
 def test_chat_logprobs_have_the_openai_shape_streamed_and_not(oai, served):
     kwargs = dict(model=served.model, messages=[{"role": "user", "content": "Hi"}],
                   max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,

@@ -17,7 +17,7 @@ from deltaserve.engine.cuda_graph import build_graph_runners
 from deltaserve.engine.forks import ForkGroups, parent_params
 from deltaserve.engine.grammar import GrammarBackend
 from deltaserve.engine.healing import TokenHealer, mask_healing
-from deltaserve.engine.logprobs import TokenLogprob, step_logprobs
+from deltaserve.engine.logprobs import TextOffsets, TokenLogprob, step_logprobs
 from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.overlap import OverlapScheduler
 from deltaserve.engine.preflight import check_before_load, resolve_device_dtype
@@ -336,6 +336,12 @@ class LLMEngine:
             if new_ids and req.first_token_time is None:
                 req.first_token_time = now
             self.generated_tokens += len(new_ids)
+            entries = logprobs.get(req.rid) if logprobs else None
+            if entries and self.tokenizer is not None:
+                if req.text_offsets is None:
+                    req.text_offsets = TextOffsets(
+                        self.tokenizer, req.healing.removed_text if req.healing else "")
+                req.text_offsets.assign(entries)
             outputs.append(RequestOutput(
                 rid=req.rid, new_token_ids=new_ids,
                 new_text=req.detok.take_new_text(final=req.finished),
@@ -347,7 +353,7 @@ class LLMEngine:
                 completion_tokens=len(req.output_ids) - (
                     req.healing.silent(req.output_ids) if req.healing is not None else 0),
                 cached_tokens=req.cached_len,
-                new_logprobs=logprobs.get(req.rid) if logprobs else None))
+                new_logprobs=entries))
             if req.finished:
                 self._reqs.pop(req.rid, None)
         return self.forks.on_outputs(outputs)

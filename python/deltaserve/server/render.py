@@ -4,7 +4,9 @@ One renderer per endpoint keeps per-choice state (`Choice`): the text so far, th
 entries, the completions text offset, the chat tool-call stream parser. Token strings in
 logprobs are each token decoded on its own (a token holding part of a UTF-8 character shows
 as U+FFFD; its `bytes` are of that text), or "token_id:N" with vLLM's
-`return_tokens_as_token_ids` (and for a model without a tokenizer).
+`return_tokens_as_token_ids` (and for a model without a tokenizer). A completions token's
+`text_offset` is where its text starts in the returned text, from the engine
+(engine/logprobs.py TextOffsets), so streamed and whole responses give the same offsets.
 """
 
 from __future__ import annotations
@@ -84,8 +86,8 @@ class CompletionRenderer(_Renderer):
     def logprobs(self, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
         tokens = [self.token_text(e.token_id) for e in entries]
         offsets = []
-        for t in tokens:
-            offsets.append(offset)
+        for e, t in zip(entries, tokens):  # the engine's offsets (TextOffsets) where it has text
+            offsets.append(e.text_offset if e.text_offset is not None else offset)
             offset += len(t)
         return CompletionLogprobs(
             tokens=tokens, token_logprobs=[finite(e.logprob) for e in entries],
