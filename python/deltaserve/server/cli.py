@@ -192,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0,
                      help="> 1 penalises tokens already in the prompt or output (default 1: off)")
     gen.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
-                     help="back up the prompt's last token when longer tokens extend it (a "
-                          "trailing newline: newline + indentation) and make the first "
+                     help="back up the prompt's last token when it is whitespace that "
+                          "longer tokens extend (a trailing newline: newline + indentation) "
+                          "and make the first "
                           "token extend it; the output still continues the prompt exactly "
                           "(default on; not applied with --chat)")
     gen.add_argument("--ignore-eos", action="store_true",
