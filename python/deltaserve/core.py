@@ -243,6 +243,11 @@ class Req:
             return self.params.max_tokens
         return self.params.max_tokens + self.healing.silent(self.output_ids)
 
+    def healing_pending(self) -> bool:
+        """Whether the next output token is still constrained by token healing (some of the
+        removed prompt text is still to come); once not, `output_budget` stays fixed."""
+        return self.healing is not None and self.healing.remaining(self.output_ids) is not None
+
     def admit(self, cached_len: int, slot: int, page_table: list[int], prefix_node: Any) -> None:
         """WAITING -> RUNNING with `cached_len` prompt tokens restored from the prefix cache."""
         assert self.status is ReqStatus.WAITING

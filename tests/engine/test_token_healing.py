@@ -12,6 +12,7 @@ from deltaserve.default_model import random_model_path
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.grammar import GrammarSpec
 from deltaserve.engine.healing import FOLLOWERS, TokenHealer, bitmask_row, mask_healing
+from deltaserve.spec.proposer import Proposer
 from drained import assert_drained
 
 PROMPTS = [
@@ -302,3 +303,34 @@ def test_silent_counts_the_leading_tokens_inside_the_removed_text(llm):
     assert h.silent([nl3, x, sp]) == 1  # " x" goes past the removed text
     assert h.silent([nl3, sp, sp]) == 2  # all of it, then a token of new text
     assert h.silent([nl4, sp]) == 1 and h.silent([x]) == 0
+
+
+class _Continuation(Proposer):
+    """Drafts a known continuation of the one request running (every draft right)."""
+
+    def __init__(self, k: int, tokens: list[int]) -> None:
+        self.num_steps, self.tokens = k, tokens
+
+    def propose(self, reqs):
+        return [self.tokens[len(r.output_ids):][:self.num_steps] for r in reqs]
+
+
+def test_verify_steps_that_commit_several_tokens_keep_the_healed_budget(path, llm):
+    """Once healing is done a verify step's accepted rows go in at once; the length cut must
+    still count max_tokens from the first token of new text (a silent token on top)."""
+    healer = llm.engine.healer
+    spec = LLM(path, device="cpu", dtype="float32", speculative_algorithm="ngram",
+               speculative_num_steps=3, speculative_policy="fixed")
+    sched, commits = spec.engine.scheduler, []
+    commit = sched._commit_tokens
+    sched._commit_tokens = lambda req, tokens: commits.append(len(tokens)) or commit(req, tokens)
+    for prompt in SPLIT:
+        ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+        full = llm.generate([prompt], greedy(16, token_healing=True))[0].token_ids
+        s = healer.heal(ids).silent(full)
+        spec.engine.spec.proposer = _Continuation(3, full)
+        for m in (1, 2, 4, 7, 16 - s):
+            out = spec.generate([prompt], greedy(m, token_healing=True))[0]
+            assert out.token_ids == full[:s + m] and out.finish_reason == "length"
+    assert max(commits) == 4  # verify steps did commit k + 1 tokens at once
+    assert_drained(spec.engine)

@@ -212,11 +212,6 @@ def bitmask_row(ids: list[int], vocab_size: int) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def healing_pending(req: Req) -> bool:
-    """Whether `req`'s next token is still constrained by its healing."""
-    return req.healing is not None and req.healing.remaining(req.output_ids) is not None
-
-
 def mask_healing(logits: torch.Tensor, batch: Batch, owners: list[Req]) -> bool:
     """Mask `logits` [M, V] in place so that each row of a request whose healing is pending
     keeps to the removed text: owners[i] is row i's request (a verify batch: k+1 rows per
@@ -225,7 +220,7 @@ def mask_healing(logits: torch.Tensor, batch: Batch, owners: list[Req]) -> bool:
     rows: list[tuple[int, bytes]] = []
     if batch.phase is Phase.VERIFY:
         per = batch.rows_per_req
-        pending = [i for i, r in enumerate(batch.reqs) if healing_pending(r)]
+        pending = [i for i, r in enumerate(batch.reqs) if r.healing_pending()]
         drafts = batch.host_drafts() if pending else []
         for i in pending:
             req = batch.reqs[i]

@@ -10,7 +10,6 @@ import torch
 
 from deltaserve.core import Req, SamplingParams
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.healing import healing_pending
 from deltaserve.engine.sampling import has_penalties
 
 if TYPE_CHECKING:
@@ -72,4 +71,4 @@ def overlappable(req: Req) -> bool:
     which the next replay overwrites), no penalties (they count the output ids)."""
     return (req.grammar is None and req.params.logprobs is None
             and not has_penalties(req.params)
-            and not healing_pending(req))
+            and not req.healing_pending())

@@ -307,12 +307,12 @@ class Scheduler:
         `_commit_each` is the same rule token by token."""
         detok = req.detok
         if len(tokens) == 1 or (detok is not None and detok.watches_stops) \
-                or req.healing is not None:  # a budget that grows while healing: one by one
+                or req.healing_pending():  # a budget that grows while healing: one by one
             return self._commit_each(req, tokens)  # a decode step's one token: as cheap
         p = req.params
         # the token that reaches max_tokens or max_len finishes by length (at least the first:
         # a running request always has room for one)
-        n = max(1, min(p.max_tokens - len(req.output_ids), req.max_len - req.num_tokens))
+        n = max(1, min(req.output_budget() - len(req.output_ids), req.max_len - req.num_tokens))
         reason = FinishReason.LENGTH if n <= len(tokens) else None
         n = min(n, len(tokens))
         ends, stops = (() if p.ignore_eos else self.eos_ids), p.stop_token_ids
