@@ -5,7 +5,35 @@ from __future__ import annotations
 PREFIX_TOKENS = 6  # tokens decoded before the new ones, so a window decodes as in context
 
 
-class IncrementalDetokenizer:
+class DecodeWindow:
+    """Output ids decoded in a short window of context: `_take` gives the text the pending ids
+    (those not yet taken) add after the last few taken ones (PREFIX_TOKENS), so a token's text
+    is what it adds in context (a leading space, a merged character), at the cost of two
+    decodes of the window, not of the whole output. Shared by IncrementalDetokenizer and the
+    logprobs' TextOffsets, so both cut the text at the same places."""
+
+    def __init__(self, tokenizer) -> None:
+        self.ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] is the context window already taken
+        self._read = 0  # ids[_read:] are pending: their text is not taken yet
+        self._decode = _decoder(tokenizer)
+
+    def _take(self, final: bool) -> str | None:
+        """The text of the pending ids, now taken; None (nothing taken) while it ends in an
+        incomplete UTF-8 character (U+FFFD) unless `final`."""
+        if self._read == len(self.ids):
+            return ""
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if not final and after != before and (len(after) < len(before)
+                                               or after.endswith("\ufffd")):
+            return None  # a character still incomplete: its tokens stay pending
+        self._prefix = max(self._read, len(self.ids) - PREFIX_TOKENS)
+        self._read = len(self.ids)
+        return after[len(before):]
+
+
+class IncrementalDetokenizer(DecodeWindow):
     """Turns a request's output token ids into text as they are committed.
 
     Each token costs two decodes of a short window (the last few tokens, then those plus the
@@ -27,16 +55,13 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, stop: list[str], skip: str = "") -> None:
+        super().__init__(tokenizer)
         self.tokenizer = tokenizer
         self.stop = stop
-        self.ids: list[int] = []
         self.text = ""
         self._skip = skip  # what of `skip` is still to be dropped from the decoded text
         self.stopped = False
         self._emitted = 0
-        self._prefix = 0  # ids[_prefix:_read] is the context window already in `text`
-        self._read = 0  # ids[_read:] are pending: their text is not in `text` yet
-        self._decode = _decoder(tokenizer)
 
     def append(self, token: int) -> bool:
         if self.stopped:
@@ -59,26 +84,16 @@ class IncrementalDetokenizer:
 
     def _advance(self, final: bool) -> bool:
         """Move the pending tokens' text into `text` (if complete, or `final`); stop check."""
-        if self._read == len(self.ids):
+        new = self._take(final)
+        if not new:  # nothing pending, a character incomplete, or tokens that print nothing
             return self.stopped
-        before = self._decode(self.ids[self._prefix:self._read])
-        after = self._decode(self.ids[self._prefix:])
-        if not final:
-            if after == before:  # tokens that print nothing (special tokens): consumed
-                self._read = len(self.ids)
-                return False
-            if len(after) < len(before) or after.endswith("\ufffd"):
-                return False  # a character still incomplete: its tokens stay pending
         searched_from = len(self.text)
-        new = after[len(before):]
         if self._skip:
             n = _common_prefix(new, self._skip)
             # a mismatch cannot happen under the healing mask; if it did, keep what differs
             self._skip = self._skip[n:] if n == len(new) else ""
             new = new[n:]
         self.text += new
-        self._prefix = max(self._read, len(self.ids) - PREFIX_TOKENS)
-        self._read = len(self.ids)
         for s in self.stop:
             at = self.text.find(s, max(0, searched_from - len(s) + 1))
             if at != -1:

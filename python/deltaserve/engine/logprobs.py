@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltaserve.engine.detokenizer import PREFIX_TOKENS, _decoder
+from deltaserve.engine.detokenizer import DecodeWindow
 
 if TYPE_CHECKING:
     from deltaserve.core import Req
@@ -33,7 +33,7 @@ class TokenLogprob:
     text_offset: int | None = None
 
 
-class TextOffsets:
+class TextOffsets(DecodeWindow):
     """Each committed token's start in the request's returned text, in characters, for
     completions' `logprobs.text_offset`: the same figure whole or streamed, and the tokens'
     texts laid end to end rebuild the text. A token's text is what it adds to the decoded
@@ -43,9 +43,7 @@ class TextOffsets:
     is not part of the returned text."""
 
     def __init__(self, tokenizer, skip: str = "") -> None:
-        self._decode = _decoder(tokenizer)
-        self.ids: list[int] = []
-        self._prefix = self._read = 0  # ids[_prefix:_read]: the decoded context window
+        super().__init__(tokenizer)
         self.length = 0  # characters of returned text before the next token
         self._skip = len(skip)
 
@@ -55,20 +53,17 @@ class TextOffsets:
             e.text_offset = self.length
             pending = self._read < len(self.ids)  # tokens before it whose text is not in
             self.ids.append(e.token_id)
-            before = self._decode(self.ids[self._prefix:self._read])
-            after = self._decode(self.ids[self._prefix:])
-            if len(after) < len(before) or after.endswith("\ufffd"):
+            new = self._take(final=False)
+            if new is None:
                 continue  # a character still incomplete: counted with the token ending it
-            n = len(after) - len(before)
+            n = len(new)
             cut = min(n, self._skip)
             self._skip -= cut
             if pending:  # bytes that no token completed ("\ufffd" in the text), then this
                 own = self._decode([e.token_id])  # token's own whole text: it starts after them
-                if own and "\ufffd" not in own and after.endswith(own):
+                if own and "\ufffd" not in own and new.endswith(own):
                     e.text_offset = self.length + n - cut - len(own)
             self.length += n - cut
-            self._prefix = max(self._read, len(self.ids) - PREFIX_TOKENS)
-            self._read = len(self.ids)
 
 
 def row_logprobs(logits: torch.Tensor, tokens: list[int], n_top: int) -> list[TokenLogprob]:
