@@ -22,7 +22,9 @@ steps excluded), in microseconds per step and per request row.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import time
 
 import torch
@@ -33,9 +35,13 @@ from deltaserve.engine.cuda_graph import GraphRunner
 # step kind -> engine arguments: plain decode (overlapped), or verify steps with k = 3 drafts
 # (mtp_ov: MTP verify steps chained behind unlanded ones, --overlap-verify; no sync to replay,
 # its host time runs beside the device's)
+# (mtp_plain / ngram_plain: speculation on, the adaptive policy's every step forced plain:
+# what being on costs a step that does not speculate, against "decode")
 KINDS = {"decode": {}, "mtp": {"speculative_algorithm": "mtp"},
          "mtp_ov": {"speculative_algorithm": "mtp", "overlap_verify": True},
-         "ngram": {"speculative_algorithm": "ngram"}}
+         "ngram": {"speculative_algorithm": "ngram"},
+         "mtp_plain": {"speculative_algorithm": "mtp"},
+         "ngram_plain": {"speculative_algorithm": "ngram"}}
 PROMPT = "def f(x):\n    return x\n" * 8  # repetitive: the n-gram proposer finds drafts
 
 
@@ -65,12 +71,19 @@ def stubbed_engine(kind: str, batch: int) -> LLM:
     """An LLM whose step graphs run no model after a warm-up step of `batch` requests
     (`llm.clock`: a SyncClock on its replays)."""
     spec = KINDS[kind]
-    kw = dict(spec, speculative_num_steps=3, speculative_policy="fixed") if spec else {}
+    plain = kind.endswith("_plain")
+    kw = dict(spec, speculative_num_steps=3,
+              speculative_policy="adaptive" if plain else "fixed") if spec else {}
     llm = LLM(None, device="cpu", dtype="float32", enable_prefix_cache=False,
               max_running_reqs=max(batch, 8), **kw)
     eng = llm.engine
     rows = 4 if spec else 1
+    if plain:
+        eng.scheduler.choose_drafts = lambda reqs: 0
     eng.graphs = GraphRunner(eng.runner, max(batch, 8), rows, eng.max_model_len, capture=False)
+    if spec:  # the plain decode steps of an engine with speculation (the adaptive policy's)
+        eng.decode_graphs = GraphRunner(eng.runner, max(batch, 8), 1, eng.max_model_len,
+                                        capture=False)
     mtp = spec.get("speculative_algorithm") == "mtp"
     if mtp:
         eng.spec.use_graphs(max(batch, 8), eng.max_model_len, capture=False)
@@ -78,6 +91,8 @@ def stubbed_engine(kind: str, batch: int) -> LLM:
     llm.generate([prompt] * batch, SamplingParams(temperature=0.0, max_tokens=8,
                                                   ignore_eos=True))
     graphs = list(eng.graphs.graphs.values())
+    if spec:
+        graphs += list(eng.decode_graphs.graphs.values())
     if mtp:
         graphs += list(eng.spec.proposer.graphs.graphs.values())
     llm.clock = SyncClock()
@@ -92,11 +107,13 @@ def stubbed_engine(kind: str, batch: int) -> LLM:
     return llm
 
 
-def host_us_per_step(llm: LLM, batch: int, max_tokens: int) -> tuple[float, float, float]:
+def host_us_per_step(llm: LLM, batch: int, max_tokens: int,
+                     prof: cProfile.Profile | None = None) -> tuple[float, float, float]:
     """Best of three: (µs of host time per decode / verify step of `batch` requests, µs of it
     from a verify step's sync to the next replay (SyncClock; 0 for decode), tokens committed
     per request per step). The stubbed graphs' outputs are stale, so a verify step commits
-    what its warm-up outputs accept: compare kinds and commits per token too."""
+    what its warm-up outputs accept: compare kinds and commits per token too. `prof`, if
+    given, is enabled over the timed steps only."""
     eng, best, best_gap = llm.engine, float("inf"), float("inf")
     for _ in range(3):
         for _ in range(batch):
@@ -106,9 +123,13 @@ def host_us_per_step(llm: LLM, batch: int, max_tokens: int) -> tuple[float, floa
             eng.step()
         llm.clock.gaps.clear()
         llm.clock.synced = None  # the prefill steps since the last sync are not a step's gap
+        if prof is not None:
+            prof.enable()
         n0, t0 = eng.num_steps, time.perf_counter()
         while eng.has_unfinished():
             eng.step()
+        if prof is not None:
+            prof.disable()
         steps = eng.num_steps - n0
         best = min(best, (time.perf_counter() - t0) / steps)
         gaps = llm.clock.gaps
@@ -122,13 +143,19 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: " + ", ".join(KINDS))
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="step_host.json")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="print cProfile's N functions of most own time over each config's runs")
     args = ap.parse_args()
     torch.set_num_threads(1)  # host work is one thread; a GPU host runs no CPU kernels
     results = []
     for kind in args.kinds.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             llm = stubbed_engine(kind, batch)
-            us, gap, per_step = host_us_per_step(llm, batch, args.max_tokens)
+            prof = cProfile.Profile() if args.profile else None
+            us, gap, per_step = host_us_per_step(llm, batch, args.max_tokens, prof)
+            if prof is not None:  # figures inflated by the profiler: compare within the run
+                print(f"--- {kind} batch {batch}: own time, profiled")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
             results.append({"kind": kind, "batch": batch, "us_per_step": round(us, 1),
                             "us_per_request": round(us / batch, 2),
                             "us_sync_to_replay": round(gap, 1),
