@@ -60,6 +60,8 @@ class ForkGroups:
 
     def on_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Remove the parents' outputs from `outputs`; admit the choices of finished parents."""
+        if not self._held:
+            return outputs
         kept = []
         for out in outputs:
             if out.rid not in self._held:

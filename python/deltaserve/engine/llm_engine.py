@@ -330,8 +330,8 @@ class LLMEngine:
         outputs = []
         now = time.monotonic()
         for req in reqs:
-            new_ids = new_by_rid[req.rid]
-            if not new_ids and not req.finished:
+            new_ids, finished = new_by_rid[req.rid], req.finished
+            if not new_ids and not finished:
                 continue
             if new_ids and req.first_token_time is None:
                 req.first_token_time = now
@@ -344,8 +344,8 @@ class LLMEngine:
                 req.text_offsets.assign(entries)
             outputs.append(RequestOutput(
                 rid=req.rid, new_token_ids=new_ids,
-                new_text=req.detok.take_new_text(final=req.finished),
-                finished=req.finished,
+                new_text=req.detok.take_new_text(final=finished),
+                finished=finished,
                 finish_reason=req.finish_reason.value if req.finish_reason else None,
                 # the user's prompt and the tokens of new text (healing backed one prompt
                 # token up and its first output tokens may only re-generate it)
@@ -354,7 +354,7 @@ class LLMEngine:
                     req.healing.silent(req.output_ids) if req.healing is not None else 0),
                 cached_tokens=req.cached_len,
                 new_logprobs=entries))
-            if req.finished:
+            if finished:
                 self._reqs.pop(req.rid, None)
         return self.forks.on_outputs(outputs)
 
