@@ -95,6 +95,7 @@ class Arm:
         self.full: list[float] = []  # seconds of each round's run of max_tokens
         self.prefill: list[float] = []  # and of its run of one token
         self.kinds: list[int] = []  # the k of each decode step inside the timed runs
+        self.seconds: list[float] = []  # and the cost the policy was told of it
 
     def setup(self) -> None:
         algo, policy, args = self.algo, self.policy, self.args
@@ -127,7 +128,8 @@ class Arm:
         eng = self.llm.engine
         if self.algo is not None:
             on_step = eng.policy.on_step
-            eng.policy.on_step = lambda k, b, s: (self.kinds.append(k), on_step(k, b, s))[1]
+            eng.policy.on_step = lambda k, b, s: (self.kinds.append(k), self.seconds.append(s),
+                                                  on_step(k, b, s))[2]
         try:
             for params, times in ((self.one, self.prefill), (self.params, self.full)):
                 sync(self.device)
@@ -167,9 +169,25 @@ class Arm:
                "tokens": tokens, "timed_counts": timed_counts,
                "timed_verify_share": sum(1 for k in kinds if k) / len(kinds) if kinds else None,
                "gaps": gaps.get("gaps"),
-               "chained_steps": eng.overlap.verify.chained_steps if eng.overlap else 0, **costs}
+               "chained_steps": eng.overlap.verify.chained_steps if eng.overlap else 0,
+               **policy_view(eng.policy, kinds, self.seconds), **costs}
         del self.llm
         return row
+
+
+def policy_view(policy, kinds: list[int], seconds: list[float]) -> dict:
+    """What the adaptive policy saw in the timed runs: the median cost it was told of a verify
+    and of a plain step (ms; a step right after the other kind included), its kept medians per
+    (batch bucket, k) at the end (ms) and its running mean acceptance length; else {}."""
+    if getattr(policy, "_medians", None) is None:
+        return {}
+    told = {name: sorted(s for k, s in zip(kinds, seconds) if bool(k) == verify)
+            for name, verify in (("verify", True), ("plain", False))}
+    return {"policy_told_ms": {n: round(v[len(v) // 2] * 1e3, 4) if v else None
+                               for n, v in told.items()},
+            "policy_medians_ms": {f"b{b}/k{k}": round(v * 1e3, 4)
+                                  for (b, k), v in sorted(policy._medians.items())},
+            "policy_mean_acceptance": round(policy._global, 3)}
 
 
 def graph_counts(eng) -> dict[str, int]:
