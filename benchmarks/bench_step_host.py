@@ -30,7 +30,7 @@ import time
 import torch
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.engine.cuda_graph import GraphRunner
+from deltaserve.engine.cuda_graph import GraphRunner, hidden_ring_steps
 
 # step kind -> engine arguments: plain decode (overlapped), or verify steps with k = 3 drafts
 # (mtp_ov: MTP verify steps chained behind unlanded ones, --overlap-verify; no sync to replay,
@@ -82,8 +82,9 @@ def stubbed_engine(kind: str, batch: int) -> LLM:
         eng.scheduler.choose_drafts = lambda reqs: 0
     eng.graphs = GraphRunner(eng.runner, max(batch, 8), rows, eng.max_model_len, capture=False)
     if spec:  # the plain decode steps of an engine with speculation (the adaptive policy's)
-        eng.decode_graphs = GraphRunner(eng.runner, max(batch, 8), 1, eng.max_model_len,
-                                        capture=False)
+        n = max(batch, 8)  # with the hidden-state ring an MTP engine's would have
+        eng.decode_graphs = GraphRunner(eng.runner, n, 1, eng.max_model_len, capture=False,
+                                        hidden_ring=hidden_ring_steps(eng.spec, eng.model, n))
     mtp = spec.get("speculative_algorithm") == "mtp"
     if mtp:
         eng.spec.use_graphs(max(batch, 8), eng.max_model_len, capture=False)

@@ -12,8 +12,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.engine.cuda_graph import GraphRunner
 from deltaserve.model.testing import make_tiny_checkpoint
 from drained import assert_drained
 from oracle import assert_same_runs, reference_greedy
@@ -138,4 +140,37 @@ def test_gpu_overlapped_plain_steps_between_mtp_verify_steps_keep_plain_tokens(c
     for prompt, p, a, b in zip(batch, params, plain, outs):
         ref = reference_greedy(ckpt, prompt, p.max_tokens)
         assert_same_runs(b, a, ref, f"overlapped mtp len {len(prompt)}", eps=GPU_EPS)
+    assert_drained(eng)
+
+
+def test_gpu_the_hidden_ring_gives_the_head_the_rows_a_clone_gives(ckpt, monkeypatch):
+    """The plain decode graphs' hidden-state ring (engine/cuda_graph.py), written by the
+    captured replays, feeds the (eager) MTP head bitwise the rows that a clone after each
+    replay feeds it; with AHEAD_CAP 2 the ring is 18 steps long and wraps many times."""
+    from test_policy import PatternPolicy
+
+    from deltaserve.spec.mtp import proposer
+
+    monkeypatch.setattr(proposer, "AHEAD_CAP", 2)
+    batch, params = workload()
+
+    def run(ring: bool):
+        llm = spec(ckpt, graphs=False, policy="adaptive")
+        eng = llm.engine
+        assert eng.decode_graphs.ring_steps == 2 + 2 * (K + 1) + 8
+        if not ring:
+            eng.decode_graphs = GraphRunner(eng.runner, eng.cfg.max_running_reqs, 1,
+                                            eng.max_model_len)
+        PatternPolicy(K, "vddddddddd").install(eng)
+        head, seen = eng.spec.proposer.head, []
+        forward = head.forward
+        head.forward = lambda ids, hidden, ctx, **kw: (seen.append(hidden.clone()),
+                                                       forward(ids, hidden, ctx, **kw))[1]
+        return [o.token_ids for o in llm.generate(batch, params)], seen, eng
+
+    want, want_rows, _ = run(False)
+    got, got_rows, eng = run(True)
+    assert eng.overlap.launched_steps > 2 * eng.decode_graphs.ring_steps
+    assert got == want and len(got_rows) == len(want_rows) > 10
+    assert all(torch.equal(a, b) for a, b in zip(got_rows, want_rows))
     assert_drained(eng)

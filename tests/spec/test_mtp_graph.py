@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.engine.cuda_graph import GraphRunner
+from deltaserve.engine.cuda_graph import GraphRunner, hidden_ring_steps
 from deltaserve.model.testing import make_tiny_checkpoint
 from deltaserve.spec.accept import accept_greedy_rows
 from deltaserve.spec.rejection import accept
@@ -32,12 +32,13 @@ def ckpt(tmp_path_factory):
 
 
 def make(ckpt: str, graphs: bool, static_target: bool = False, max_graph_reqs: int = 2,
-         pattern: str | None = None, **kw) -> LLM:
+         pattern: str | None = None, ring: bool = False, **kw) -> LLM:
     """An MTP engine; graphs: the proposer's fixed-shape step for batches of up to
     max_graph_reqs (larger ones run the eager proposer); static_target: the target's verify
     steps through the fixed-shape GraphRunner as well (drafts handed over on the device);
     pattern: a test_policy.PatternPolicy of verify ("v") and plain ("d") steps, the plain
-    ones through fixed-shape decode steps (so the overlap scheduler runs them)."""
+    ones through fixed-shape decode steps (so the overlap scheduler runs them); ring: those
+    steps hand out their hidden rows from the engine's hidden-state ring, not a clone."""
     kw = dict(device="cpu", dtype="float32", num_pages=512, page_size=4, max_running_reqs=4,
               speculative_algorithm="mtp", speculative_num_steps=K,
               speculative_policy="fixed") | kw
@@ -51,8 +52,10 @@ def make(ckpt: str, graphs: bool, static_target: bool = False, max_graph_reqs: i
     if pattern is not None:
         from test_policy import PatternPolicy
 
-        eng.decode_graphs = GraphRunner(eng.runner, eng.cfg.max_running_reqs, 1,
-                                        eng.max_model_len, capture=False)
+        n = eng.cfg.max_running_reqs
+        eng.decode_graphs = GraphRunner(
+            eng.runner, n, 1, eng.max_model_len, capture=False,
+            hidden_ring=hidden_ring_steps(eng.spec, eng.model, n) if ring else 0)
         PatternPolicy(K, pattern).install(eng)
     return llm
 
@@ -186,6 +189,34 @@ def test_drafts_after_overlapped_decode_steps_equal_the_oracle_head(ckpt, cap, m
     # cap 2: the capped path ran too (without it: 4 catch-ups keeping K + 1 rows, in
     # _propose_graph, for rows past the graph's K + 1)
     assert catch_ups.count(K + 1) >= (12 if cap is not None else 1)
+    assert_drained(eng)
+
+
+@pytest.mark.parametrize("pattern", ["vvdddddvdd", "vddddddddddddddddddd"])
+def test_the_hidden_ring_gives_the_head_the_rows_a_clone_gives(ckpt, pattern, monkeypatch):
+    """Plain decode steps that hand out their hidden rows as views of the ring (cuda_graph.py)
+    feed the MTP head, in its catch-ups and its graph steps, bitwise the rows that clones
+    after each replay feed it: with AHEAD_CAP 2 the ring is 18 steps long and wraps many
+    times, so a view read after its slot was overwritten would show."""
+    from deltaserve.spec.mtp import proposer
+
+    monkeypatch.setattr(proposer, "AHEAD_CAP", 2)
+
+    def run(ring: bool):
+        llm = make(ckpt, graphs=True, static_target=True, max_graph_reqs=4, pattern=pattern,
+                   ring=ring)
+        head, seen = llm.engine.spec.proposer.head, []
+        forward = head.forward
+        head.forward = lambda ids, hidden, ctx, **kw: (seen.append(hidden.clone()),
+                                                       forward(ids, hidden, ctx, **kw))[1]
+        return turns(llm, 40), seen, llm.engine
+
+    want, want_rows, _ = run(False)
+    got, got_rows, eng = run(True)
+    steps = eng.decode_graphs.ring_steps
+    assert steps == 2 + 2 * (K + 1) + 8 and eng.overlap.launched_steps > 2 * steps
+    assert got == want and len(got_rows) == len(want_rows) > 20
+    assert all(torch.equal(a, b) for a, b in zip(got_rows, want_rows))
     assert_drained(eng)
 
 

@@ -19,6 +19,13 @@ nothing between its replay and the one copy back. A verify graph always takes pe
 from a static int32 buffer (zeros when none are pending for its batch). MoE models are
 captured when their experts run without a host sync at the largest batch
 (`model.mlp.moe_graph_safe`).
+
+A decode runner built with `hidden_ring` steps (the plain steps of an MTP engine, whose proposer
+keeps each step's hidden states until a later catch-up) has its graph copy the hidden rows into
+the next slot of a ring instead of the host cloning them after each replay (an allocation and a
+launch on the host's critical path of a step that does not speculate): the step hands out a
+view of its slot, valid for `hidden_ring` more replays (the proposer's bound,
+`Proposer.hidden_steps_held`); a replay that keeps nothing writes a scratch slot.
 """
 
 from __future__ import annotations
@@ -80,7 +87,8 @@ class VerifyChain:
 @dataclass
 class _Graph:
     replay: Callable[[], object]  # the graph's replay (or, uncaptured, the eager step)
-    ints: torch.Tensor  # int64 [2 * B * R + B]: input ids, positions, drafts per request
+    ints: torch.Tensor  # int64 [2 * B * R + B (+ 1)]: input ids, positions, drafts per request
+    # (and, with a hidden-state ring, the first ring row the step writes)
     input_ids: torch.Tensor  # [B * R] int64, a view of ints
     positions: torch.Tensor  # [B * R] int64, a view of ints
     attn: PagedMetadata  # static page table [B, max_pages] and lengths [B]
@@ -99,7 +107,9 @@ class GraphRunner:
     """
 
     def __init__(self, runner: ModelRunner, max_reqs: int, rows: int, max_kv_len: int,
-                 capture: bool = True) -> None:
+                 capture: bool = True, hidden_ring: int = 0) -> None:
+        if hidden_ring and rows != 1:
+            raise ValueError("a hidden-state ring is for decode steps (rows = 1)")
         self.runner = runner
         self.rows = rows
         self.phase = Phase.VERIFY if rows > 1 else Phase.DECODE
@@ -114,6 +124,13 @@ class GraphRunner:
         # long-context benchmark reports both (no eager step at any length)
         self.graph_steps = 0
         self.eager_steps = 0
+        # hidden_ring steps of [max bucket, hidden] rows, then the scratch slot (module doc)
+        self.ring_steps, self.ring_next = hidden_ring, 0
+        self.ring: torch.Tensor | None = None
+        if hidden_ring:
+            c, b = runner.model.config, self.batch_buckets[-1]
+            self.ring = torch.empty(((hidden_ring + 1) * b, c.hidden_size),
+                                    dtype=runner.model.dtype, device=runner.device)
 
     def bucket(self, batch: Batch, starts: list[int] | None = None) -> tuple[int] | None:
         """The batch bucket of `batch` (its requests' first positions `starts`, default each
@@ -169,7 +186,7 @@ class GraphRunner:
         self.graphs[key] = g
         b = g.gdn.meta.slots.shape[0]
         # padding rows feed token 0 at position 0 into slot 0 / page 0 (never a real request)
-        ints = np.zeros(2 * b * rows + b, dtype=np.int64)
+        ints = np.zeros(g.ints.shape[0], dtype=np.int64)
         ids, pos = ints[:b * rows], ints[b * rows:2 * b * rows]
         if self.phase is Phase.VERIFY:  # padding requests: no drafts, none accepted
             ints[2 * b * rows:2 * b * rows + n] = batch.num_drafts or rows - 1
@@ -186,6 +203,7 @@ class GraphRunner:
             pos[:n * rows] = row_positions(starts, rows)
         slots = np.zeros(b, dtype=np.int32)
         slots[:n] = slot_ids
+        ring_rows = self._ring_rows(ints, n * rows, keep_hidden)
         copy_into(g.ints, ints)
         if on_device:  # in stream order after the staged copy: no host round trip
             g.input_ids.view(b, rows)[:n, 1:].copy_(batch.draft_tensor)
@@ -207,18 +225,39 @@ class GraphRunner:
         runner.last_gdn = g.gdn
         runner.last_slot_ids = slot_ids
         t = n * rows
-        hidden = g.hidden[:t].clone() if keep_hidden else None
+        hidden = ring_rows if ring_rows is not None \
+            else g.hidden[:t].clone() if keep_hidden else None
         accepted = g.accepted[:n] if g.accepted is not None else None
         return ForwardOutput(g.logits[:t], [r for r in batch.reqs for _ in range(rows)], hidden,
                              g.greedy[:t], accepted)
+
+    def _ring_rows(self, ints: np.ndarray, t: int, keep: bool) -> torch.Tensor | None:
+        """With a ring: set the staged ring offset (ints' last) to the next slot when the
+        step's hidden rows are kept, else to the scratch slot; the kept slot's first t rows
+        (a view, filled by the replay), or None."""
+        if self.ring is None:
+            return None
+        width = self.batch_buckets[-1]
+        if not keep:
+            ints[-1] = self.ring_steps * width
+            return None
+        start = self.ring_next * width
+        self.ring_next = (self.ring_next + 1) % self.ring_steps
+        ints[-1] = start
+        return self.ring[start:start + t]
 
     def _capture(self, b: int, write: int = 0) -> _Graph:
         """Capture (or, capture=False, build eagerly) the step of batch bucket b; a verify
         step writes runner.stashes[write] and takes pending rows from the other one."""
         runner, rows, dev = self.runner, self.rows, self.runner.device
         t = b * rows
-        ints = torch.zeros(2 * t + b, dtype=torch.long, device=dev)
-        input_ids, positions, num_drafts = ints[:t], ints[t:2 * t], ints[2 * t:]
+        ring = self.ring
+        ints = torch.zeros(2 * t + b + (ring is not None), dtype=torch.long, device=dev)
+        input_ids, positions, num_drafts = ints[:t], ints[t:2 * t], ints[2 * t:2 * t + b]
+        if ring is not None:  # the warm-up and build runs write the scratch slot
+            ring_at = ints[2 * t + b:]
+            ring_at.fill_(self.ring_steps * self.batch_buckets[-1])
+            ring_cols = torch.arange(t, dtype=torch.long, device=dev)
         attn = PagedMetadata.allocate(b, rows, self.max_kv_len, runner.kv.page_size, dev)
         meta = GDNMetadata(self.phase, torch.zeros(b, dtype=torch.int32, device=dev),
                            torch.arange(0, t + 1, rows, dtype=torch.int32, device=dev), rows)
@@ -237,6 +276,8 @@ class GraphRunner:
             # verify: the drafts are rows 1..k of each request's input ids
             accepted = (pack_greedy(greedy, input_ids.view(b, rows)[:, 1:], num_drafts)
                         if rows > 1 else None)
+            if ring is not None:
+                ring.index_copy_(0, ring_at + ring_cols, hidden)
             return hidden, logits, greedy, accepted
 
         if not self.capture:
@@ -263,10 +304,26 @@ def build_graph_runners(cfg: EngineConfig, model, runner: ModelRunner, spec,
     graphs = GraphRunner(runner, cfg.max_running_reqs, cfg.decode_rows_per_req, max_model_len)
     plain = None
     if spec is not None and cfg.speculative_policy != "fixed":
-        plain = GraphRunner(runner, cfg.max_running_reqs, 1, max_model_len)
+        plain = GraphRunner(runner, cfg.max_running_reqs, 1, max_model_len,
+                            hidden_ring=hidden_ring_steps(spec, model, cfg.max_running_reqs))
     if spec is not None and cfg.mtp_cuda_graphs:  # same buckets, same bound
         spec.use_graphs(cfg.max_running_reqs, max_model_len)
     return graphs, plain
+
+
+RING_BYTES = 64 << 20  # the most a hidden-state ring takes (else the host clones)
+
+
+def hidden_ring_steps(spec, model, max_reqs: int) -> int:
+    """Steps of the plain decode graphs' hidden-state ring: those the proposer may hold a
+    step's hidden rows, plus a margin; 0 (clone after each replay) when the proposer takes no
+    hidden states or the ring would pass RING_BYTES."""
+    held = spec.proposer.hidden_steps_held if spec.wants_hidden else 0
+    if not held:
+        return 0
+    steps = held + 8
+    size = (steps + 1) * max_reqs * model.config.hidden_size * model.dtype.itemsize
+    return steps if size <= RING_BYTES else 0
 
 
 def _chain_inputs(g: _Graph, chain: VerifyChain, n: int, rows: int) -> None:

@@ -21,6 +21,9 @@ class Proposer:
     num_steps: int = 0
     wants_hidden: bool = False  # set: the target hands its final hidden states to the hooks
     chains_verify: bool = False  # set: `propose_chained` can draft (engine/overlap_verify.py)
+    # with wants_hidden: for how many more decode steps a step's `hidden` may be read (kept
+    # rows are copied before that), so a graph may hand out a view of a ring that long
+    hidden_steps_held: int = 0
 
     def propose(self, reqs: list[Req]) -> list[list[int]] | torch.Tensor:
         """Up to `num_steps` draft tokens per request, continuing `req.all_ids`; or an int64
@@ -35,7 +38,8 @@ class Proposer:
 
     def on_forward(self, batch: Batch, hidden: torch.Tensor | None) -> None:
         """After any target forward (the feature sink); `hidden` [T, hidden] (after the final
-        norm) when `wants_hidden`, else None. Nothing is committed yet."""
+        norm) when `wants_hidden`, else None; a decode step's may be a view that the
+        `hidden_steps_held`-th decode step after it overwrites. Nothing is committed yet."""
 
     def on_commit(self, batch: Batch, committed: list[int]) -> None:
         """After a verify step: committed[i] of request i's k+1 rows were kept (1..k+1)."""

@@ -109,6 +109,12 @@ class MTPProposer(Proposer):
             i = j
 
     @property
+    def hidden_steps_held(self) -> int:
+        """A decode step's hidden rows are copied (stacked, concatenated or caught up) by the
+        time AHEAD_CAP more steps launched ahead, or k + 1 more steps of its request, ran."""
+        return AHEAD_CAP + 2 * (self.num_steps + 1)
+
+    @property
     def chains_verify(self) -> bool:
         return self.graphs is not None
 
