@@ -145,8 +145,9 @@ def test_gpu_overlapped_plain_steps_between_mtp_verify_steps_keep_plain_tokens(c
 
 def test_gpu_the_hidden_ring_gives_the_head_the_rows_a_clone_gives(ckpt, monkeypatch):
     """The plain decode graphs' hidden-state ring (engine/cuda_graph.py), written by the
-    captured replays, feeds the (eager) MTP head bitwise the rows that a clone after each
-    replay feeds it; with AHEAD_CAP 2 the ring is 18 steps long and wraps many times."""
+    captured replays, feeds the MTP head's eager catch-ups (every second step launched
+    ahead, AHEAD_CAP 2) bitwise the rows that a clone after each replay feeds them; the ring
+    is 18 steps long and wraps many times."""
     from test_policy import PatternPolicy
 
     from deltaserve.spec.mtp import proposer
@@ -155,7 +156,7 @@ def test_gpu_the_hidden_ring_gives_the_head_the_rows_a_clone_gives(ckpt, monkeyp
     batch, params = workload()
 
     def run(ring: bool):
-        llm = spec(ckpt, graphs=False, policy="adaptive")
+        llm = spec(ckpt, graphs=True, policy="adaptive")
         eng = llm.engine
         assert eng.decode_graphs.ring_steps == 2 + 2 * (K + 1) + 8
         if not ring:

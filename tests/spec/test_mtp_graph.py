@@ -252,3 +252,12 @@ def test_arrivals_a_stop_an_abort_and_sampling_with_overlapped_plain_steps(ckpt)
     assert b[:len(a)] == a and len(b) < 30
     assert_drained(over)
     assert_drained(sync)
+
+
+def test_no_ring_for_the_eager_proposer_which_holds_rows_without_a_bound(ckpt):
+    """Without MTP graphs, rows launched ahead wait for the next verify however long the
+    plain run: the plain decode graphs clone instead (hidden_ring_steps is 0)."""
+    eager = make(ckpt, graphs=False, pattern="vdd", ring=True).engine
+    graph = make(ckpt, graphs=True, pattern="vdd", ring=True).engine
+    assert eager.spec.proposer.hidden_steps_held == 0 and eager.decode_graphs.ring is None
+    assert graph.spec.proposer.hidden_steps_held > 0 and graph.decode_graphs.ring is not None

@@ -302,12 +302,12 @@ def build_graph_runners(cfg: EngineConfig, model, runner: ModelRunner, spec,
                        "memory budget): CUDA graphs are off", next(model.parameters()).dtype, rows)
         return None, None
     graphs = GraphRunner(runner, cfg.max_running_reqs, cfg.decode_rows_per_req, max_model_len)
+    if spec is not None and cfg.mtp_cuda_graphs:  # same buckets, same bound
+        spec.use_graphs(cfg.max_running_reqs, max_model_len)
     plain = None
     if spec is not None and cfg.speculative_policy != "fixed":
         plain = GraphRunner(runner, cfg.max_running_reqs, 1, max_model_len,
                             hidden_ring=hidden_ring_steps(spec, model, cfg.max_running_reqs))
-    if spec is not None and cfg.mtp_cuda_graphs:  # same buckets, same bound
-        spec.use_graphs(cfg.max_running_reqs, max_model_len)
     return graphs, plain
 
 
@@ -317,7 +317,7 @@ RING_BYTES = 64 << 20  # the most a hidden-state ring takes (else the host clone
 def hidden_ring_steps(spec, model, max_reqs: int) -> int:
     """Steps of the plain decode graphs' hidden-state ring: those the proposer may hold a
     step's hidden rows, plus a margin; 0 (clone after each replay) when the proposer takes no
-    hidden states or the ring would pass RING_BYTES."""
+    hidden states, holds them without a bound, or the ring would pass RING_BYTES."""
     held = spec.proposer.hidden_steps_held if spec.wants_hidden else 0
     if not held:
         return 0

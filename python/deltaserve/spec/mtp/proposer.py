@@ -110,9 +110,11 @@ class MTPProposer(Proposer):
 
     @property
     def hidden_steps_held(self) -> int:
-        """A decode step's hidden rows are copied (stacked, concatenated or caught up) by the
-        time AHEAD_CAP more steps launched ahead, or k + 1 more steps of its request, ran."""
-        return AHEAD_CAP + 2 * (self.num_steps + 1)
+        """With graphs, a decode step's hidden rows are copied (stacked, concatenated or
+        caught up) by the time AHEAD_CAP more steps launched ahead, or k + 1 more steps of its
+        request, ran. The eager proposer holds rows launched ahead until the next verify,
+        however far (0: no bound)."""
+        return AHEAD_CAP + 2 * (self.num_steps + 1) if self.graphs is not None else 0
 
     @property
     def chains_verify(self) -> bool:
