@@ -391,3 +391,13 @@ def test_closed_choice_flags_list_their_values_and_refuse_others_before_loading(
         main(["generate", "--help"])
     shown = capsys.readouterr().out
     assert "{mtp,ngram}" in shown and "{fixed,adaptive}" in shown
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "x", "--max-token", "4"], "unrecognized arguments: --max-token"),
+    (["serve", "--max-running", "4"], "unrecognized arguments: --max-running"),
+    (["--log", "INFO", "serve"], "invalid choice: 'INFO'")])  # "--log" is not --log-level
+def test_a_shortened_flag_is_a_usage_error_not_the_flag_it_starts(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -52,6 +52,9 @@ _HELP = {
     "speculative_policy": "fixed (every decode step verifies k drafts) or adaptive (each step "
                           "runs k drafts or a plain decode, whichever the measured step costs "
                           "and running acceptance say is faster)",
+    "radix_lookahead": "key the prefix cache by each position's token and the token after it, "
+                       "so a cached prefix also serves its MTP draft KV, which depends on that "
+                       "next token (default: on exactly with --speculative-algorithm mtp)",
     "cuda_graphs": "run decode without CUDA graphs",
     "overlap_schedule": "build each decode step only after the previous step's tokens reached "
                         "the host (default: the next step is launched while the GPU runs the "
@@ -171,17 +174,19 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev off: a mistyped flag ("--max-token") is a usage error, not another flag
     parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__.split("\n")[0],
-                                     epilog=EXIT_STATUS)
+                                     epilog=EXIT_STATUS, allow_abbrev=False)
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                         help="logging level (default INFO); also accepted after the command")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="print completions of the prompts (or stdin lines)",
-                         epilog=EXIT_STATUS)
+                         epilog=EXIT_STATUS, allow_abbrev=False)
     gen.add_argument("prompts", nargs="*", metavar="PROMPT",
-                     help="prompts; none: one prompt per line of standard input")
+                     help="prompts; none: one prompt per line of standard input (blank lines "
+                          "skipped)")
     gen.add_argument("--max-tokens", type=int, default=64,
                      help="new tokens per prompt, at most up to the context length (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0,
@@ -207,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_level(gen)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                           epilog=EXIT_STATUS)
+                           epilog=EXIT_STATUS, allow_abbrev=False)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000,
