@@ -81,18 +81,18 @@ def stubbed_engine(kind: str, batch: int) -> LLM:
     if plain:
         eng.scheduler.choose_drafts = lambda reqs: 0
     eng.graphs = GraphRunner(eng.runner, max(batch, 8), rows, eng.max_model_len, capture=False)
-    if spec:  # the plain decode steps of an engine with speculation (the adaptive policy's)
-        n = max(batch, 8)  # with the hidden-state ring an MTP engine's would have
-        eng.decode_graphs = GraphRunner(eng.runner, n, 1, eng.max_model_len, capture=False,
-                                        hidden_ring=hidden_ring_steps(eng.spec, eng.model, n))
     mtp = spec.get("speculative_algorithm") == "mtp"
     if mtp:
         eng.spec.use_graphs(max(batch, 8), eng.max_model_len, capture=False)
+    if plain:  # the adaptive policy's plain decode steps, built as build_graph_runners does
+        n = max(batch, 8)  # (after the MTP graphs: the hidden-state ring follows their bound)
+        eng.decode_graphs = GraphRunner(eng.runner, n, 1, eng.max_model_len, capture=False,
+                                        hidden_ring=hidden_ring_steps(eng.spec, eng.model, n))
     prompt = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
     llm.generate([prompt] * batch, SamplingParams(temperature=0.0, max_tokens=8,
                                                   ignore_eos=True))
     graphs = list(eng.graphs.graphs.values())
-    if spec:
+    if plain:
         graphs += list(eng.decode_graphs.graphs.values())
     if mtp:
         graphs += list(eng.spec.proposer.graphs.graphs.values())
