@@ -123,6 +123,20 @@ if has e2edef_ab; then
 fi
 # issue 27: one-time TTFT costs by prompt length and the cached follow-up's extra time, profiled
 has ttftcosts && TAILN=${TTFT_TAIL:-40} run ttftcosts ${TTFT_T:-240} python3 benchmarks/probe_ttft_costs.py --vocab 248320 ${TTFT_ARGS:-} --out "$LOGS/ttft_costs.json"
+# same-call A/B of a python-only change to the cached follow-up (issue 27's ratio): the probe's
+# follow-up part under build/ab/ref's python (bash benchmarks/ab_prepare.sh <commit>) and
+# HEAD's, in turn ($TTFTAB_SIDES)
+if has ttftab; then
+  cp python/deltaserve/_C*.so build/ab/ref/python/deltaserve/
+  head_path=$PYTHONPATH; i=0
+  for side in ${TTFTAB_SIDES:-ref head}; do
+    i=$((i + 1)); export PYTHONPATH=$head_path
+    [ $side = ref ] && export PYTHONPATH=/tmp/site:$PWD/build/ab/ref/python
+    TAILN=2 run ttft_$side$i ${TTFTAB_T:-150} python3 benchmarks/probe_ttft_costs.py --vocab 248320 --skip-lengths --out "$LOGS/ttft_$side$i.json"
+    grep -h "^follow-up" "$LOGS/ttft_$side$i.log"
+  done
+  export PYTHONPATH=$head_path
+fi
 has ttftcostsdef && TAILN=20 run ttftcostsdef 150 python3 benchmarks/probe_ttft_costs.py --model default --out "$LOGS/ttft_costs_def.json"
 has moebench && TAILN=20 run moebench 90 python3 benchmarks/bench_moe.py --out "$LOGS/moe.json"
 has moe35 && TAILN=25 run moe35 ${MOE_T:-300} python3 benchmarks/bench_e2e.py --config qwen3.6-35b-a3b --out "$LOGS/moe35.json"

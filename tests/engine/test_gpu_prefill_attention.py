@@ -22,6 +22,7 @@ def on_gpu(k_cache, v_cache, tables, q, k, v):
 @pytest.mark.parametrize(("starts", "lens"), [
     ([0], [256]),  # a cold prompt: is_causal over its own rows
     ([8128], [64]),  # the tail of an 8k prompt: bottom-right causal over gathered pages
+    ([4096], [300]),  # a follow-up turn: grouped kv heads (enable_gqa), bottom-right causal
     ([0, 300, 5], [200, 77, 1]),
     ([0], [2048]),
 ])

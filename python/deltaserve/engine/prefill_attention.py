@@ -137,18 +137,21 @@ def prefill_attention(meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: t
 
 def _causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """q [R, Hq, D] at the last R of L positions, keys/values [L, Hkv, D] -> [R, Hq, D].
-    Keys are repeated to Hq heads: every fused SDPA kernel takes the call then (not all of
-    them take grouped heads)."""
+    On CUDA the kv heads go to SDPA as they are (`enable_gqa`: flash and memory-efficient
+    attention read each kv head for its group of q heads, so a follow-up turn's 8k cached
+    positions are not first copied out four times over, as a repeat to Hq heads did); on the
+    CPU they are repeated to Hq heads (the bits the CPU path always had)."""
     hq, hkv = q.shape[1], keys.shape[1]
-    if hq != hkv:
+    gqa = q.is_cuda and hq != hkv
+    if hq != hkv and not gqa:
         keys = keys.repeat_interleave(hq // hkv, dim=1)
         values = values.repeat_interleave(hq // hkv, dim=1)
     qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, keys, values))
     rows, length = q.shape[0], keys.shape[0]
     if rows == length:
-        out = _sdpa(qh, kh, vh, is_causal=True)
+        out = _sdpa(qh, kh, vh, is_causal=True, enable_gqa=gqa)
     else:
-        out = _sdpa(qh, kh, vh, attn_mask=causal_lower_right(rows, length))
+        out = _sdpa(qh, kh, vh, attn_mask=causal_lower_right(rows, length), enable_gqa=gqa)
     return out[0].transpose(0, 1).contiguous()
 
 
