@@ -50,18 +50,26 @@ def dense(k_cache, v_cache, tables, starts, lens, q, k, v):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("per_request", [True, False])
+# the keyword arguments of AttentionMetadata.build that force each path
+PATHS = {"per_request": {"per_request": True}, "padded": {"per_request": False, "varlen": False},
+         "varlen": {"varlen": True}}
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("starts", "lens", "page_size"), [
     ([0], [37], 16),
     ([0, 64, 5], [20, 64, 1], 16),
     ([130, 0, 0, 7], [3, 9, 70, 50], 1),
     ([64, 0], [64, 128], 64),
 ])
-def test_both_paths_match_the_dense_causal_definition(per_request, starts, lens, page_size):
+def test_every_path_matches_the_dense_causal_definition(path, starts, lens, page_size):
+    """On the CPU the varlen path attends its packed gather one request at a time: this checks
+    its metadata (index, bounds) and fallback; the flash call itself is a gpu test."""
     k_cache, v_cache, tables, q, k, v = case(starts, lens, page_size)
     want = dense(k_cache, v_cache, tables, starts, lens, q, k, v)
     meta = AttentionMetadata.build(tables, starts, lens, page_size, torch.device("cpu"),
-                                   per_request=per_request)
+                                   **PATHS[path])
+    assert (meta.varlen, meta.per_request) == (path == "varlen", path == "per_request")
     got = prefill_attention(meta, k_cache, v_cache, q, k, v)
     assert got.is_contiguous() and got.shape == q.shape
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
@@ -88,6 +96,13 @@ def test_build_uploads_once_and_picks_the_path_by_device_and_request_count():
                                    per_request=True)
     assert len(calls) == 2 and meta.contexts[1] is None
     assert meta.contexts[0].tolist() == list(range(16, 31))
+    meta = AttentionMetadata.build(tables, starts, lens, 16, torch.device("cpu"), upload,
+                                   varlen=True)
+    assert len(calls) == 3 and meta.varlen and not meta.per_request
+    assert meta.kv_index.tolist() == [*range(16, 31), *range(48, 52)]  # 15 + 4 positions
+    assert meta.kv_bounds == (0, 15, 19) and meta.cu_k.tolist() == [0, 15, 19]
+    assert meta.cu_q.tolist() == [0, 5, 9] and meta.cu_q.dtype == torch.int32
+    assert (meta.max_q, meta.max_k) == (5, 15)
 
 
 def test_cuda_attends_one_request_at_a_time_when_few_or_when_padding_would_blow_up():
@@ -104,3 +119,25 @@ def test_cuda_attends_one_request_at_a_time_when_few_or_when_padding_would_blow_
     n = PER_REQUEST_MAX + 1  # one 8k chunk among short ones: N x 8k x 8k would be padded
     assert 8192 * 8192 * n > PADDED_MAX and path([8192] + [5] * (n - 1))
     assert not path([64] * n, starts=[0] * n)
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_cuda_takes_varlen_past_the_per_request_limit_for_16_bit_kv_where_flash_runs(
+        monkeypatch, flash):
+    from deltaserve.engine import prefill_attention as pa
+
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: flash)
+
+    def path(n, dtype):
+        meta = AttentionMetadata.build([[1, 2]] * n, [0] * n, [20] * n, 16, torch.device("cuda"),
+                                       upload=torch.from_numpy, dtype=dtype)
+        return "varlen" if meta.varlen else "per_request" if meta.per_request else "padded"
+
+    many = pa.PER_REQUEST_MAX + 1
+    assert path(pa.PER_REQUEST_MAX, torch.bfloat16) == "per_request"
+    for dtype in (torch.bfloat16, torch.float16):
+        assert path(many, dtype) == ("varlen" if flash else "padded")
+    assert path(many, torch.float32) == path(many, None) == "padded"
+    # a failed flash call turns the path off for the process
+    monkeypatch.setattr(pa, "_varlen_failed", ["no kernel"])
+    assert path(many, torch.bfloat16) == "padded"

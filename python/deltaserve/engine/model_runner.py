@@ -96,7 +96,8 @@ class ModelRunner:
         if batch.phase is Phase.PREFILL:
             attn_meta = AttentionMetadata.build(tables, starts, batch.extend_lens,
                                                 self.kv.page_size, dev,
-                                                lambda a: to_device(a, torch.int64, dev))
+                                                lambda a: to_device(a, torch.int64, dev),
+                                                dtype=self.kv.k.dtype)
         else:  # decode / verify: every request has rows_per_req rows; attended in place
             attn_meta = PagedMetadata.build(tables, starts, batch.rows_per_req,
                                             self.kv.page_size, dev)

@@ -343,7 +343,7 @@ class MTPProposer(Proposer):
         ids: the token after each row (a list, or a long tensor already on the device)."""
         dev = self.device
         meta = AttentionMetadata.build([r.page_table for r in reqs], starts, lens,
-                                       self.kv.page_size, dev)
+                                       self.kv.page_size, dev, dtype=self.kv.k.dtype)
         positions = [p for s, n in zip(starts, lens) for p in range(s, s + n)]
         ctx = ForwardContext(positions=torch.tensor(positions, dtype=torch.long, device=dev),
                              attn=PagedAttentionBackend(self.kv, meta), gdn=None)
