@@ -8,6 +8,8 @@ prompt + answer + 256 new tokens), its TTFT against a prefill of only the uncach
 median of --repeats, then one follow-up and one new-only prefill each under torch.profiler
 (host ops by self time, kernels by device time, the device's busy time) and under cProfile
 (deltaserve's functions by cumulative time): what the follow-up's extra milliseconds are.
+Part 3, `--concurrent N` follow-up turns of N conversations at once against N prompts of their
+new tokens alone (a batched prefill past PER_REQUEST_MAX: prefill attention's varlen path).
 
     python benchmarks/probe_ttft_costs.py --vocab 248320 --out ttft_costs.json   # 0.8B config
     python benchmarks/probe_ttft_costs.py --model default --out ttft_costs_def.json
@@ -125,6 +127,41 @@ def followup(llm: LLM, vocab: int, long_tokens: int, repeats: int, one) -> dict:
     return res
 
 
+def concurrent_followups(llm: LLM, vocab: int, long_tokens: int, n: int, repeats: int,
+                         one) -> dict:
+    """`n` conversations' follow-up turns arriving at once (each `long_tokens` cached, a
+    32-token answer and 256 new tokens): the batch's time to its last first token against
+    the same number of prompts of their uncached tokens alone, medians of `repeats`. Past
+    PER_REQUEST_MAX requests the prefill's attention takes the varlen (or padded) path."""
+    def primed() -> list[list[int]]:
+        longs = [prompt(long_tokens, vocab, 100 + i) for i in range(n)]
+        llm.engine.flush_cache()
+        llm.generate(longs, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        answers = llm.generate(longs, SamplingParams(temperature=0.0, max_tokens=32,
+                                                     ignore_eos=True))
+        return [lg + a.token_ids + prompt(256, vocab, 200 + i)
+                for i, (lg, a) in enumerate(zip(longs, answers))]
+
+    res: dict = {"requests": n, "followup_ms": [], "new_only_ms": []}
+    llm.generate(primed(), one)  # compiles for these shapes
+    for _ in range(repeats):
+        follows = primed()
+        torch.cuda.synchronize()
+        res["followup_ms"].append(round(timed(llm.generate, follows, one) * 1e3, 3))
+    outs = llm.generate(primed(), one)
+    res["cached_tokens"] = [o.cached_tokens for o in outs]
+    new_only = [prompt(len(f) - o.cached_tokens, vocab, 300 + i)
+                for i, (f, o) in enumerate(zip(follows, outs))]
+    for _ in range(repeats):
+        llm.engine.flush_cache()
+        res["new_only_ms"].append(round(timed(llm.generate, new_only, one) * 1e3, 3))
+    f, m = statistics.median(res["followup_ms"]), statistics.median(res["new_only_ms"])
+    res["ratio"] = f / m
+    print(f"{n} concurrent follow-ups {f:.2f} ms vs their new tokens alone {m:.2f} ms: "
+          f"{f / m:.3f}x; all {res}", flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="'default' or a folder (else the 0.8B config)")
@@ -132,6 +169,8 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=8192, help="the follow-up's cached prompt")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-lengths", action="store_true")
+    ap.add_argument("--concurrent", type=int, default=8,
+                    help="follow-up turns at once in the concurrent part (0: skip it)")
     ap.add_argument("--out", default="ttft_costs.json")
     args = ap.parse_args()
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -150,6 +189,9 @@ def main() -> None:
         if not args.skip_lengths:
             res["lengths"] = first_costs(llm, args.vocab, one)
         res["followup"] = followup(llm, args.vocab, args.long, args.repeats, one)
+        if args.concurrent:
+            res["concurrent"] = concurrent_followups(llm, args.vocab, args.long,
+                                                     args.concurrent, args.repeats, one)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
 
