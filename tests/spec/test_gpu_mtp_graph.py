@@ -175,3 +175,39 @@ def test_gpu_the_hidden_ring_gives_the_head_the_rows_a_clone_gives(ckpt, monkeyp
     assert got == want and len(got_rows) == len(want_rows) > 10
     assert all(torch.equal(a, b) for a, b in zip(got_rows, want_rows))
     assert_drained(eng)
+
+
+def test_gpu_a_deferred_catch_up_never_waits_for_the_device(ckpt, monkeypatch):
+    """The eager catch-up of the rows that steps launched ahead left (every AHEAD_CAP such
+    steps, and before a verify's replay: `keep` > 0) makes no host sync: a sync there would
+    drain the overlap pipeline. Each such call runs under sync debug mode "error"."""
+    from test_policy import PatternPolicy
+
+    from deltaserve.spec.mtp import proposer
+
+    monkeypatch.setattr(proposer, "AHEAD_CAP", 3)
+    batch, params = workload()
+    plain = [o.token_ids for o in make(ckpt).generate(batch, params)]
+    llm = spec(ckpt, graphs=True, policy="adaptive")
+    eng = llm.engine
+    PatternPolicy(K, "vdddddddddd").install(eng)
+    prop, calls = eng.spec.proposer, []
+    catch_up = prop._catch_up
+
+    def strict(reqs, keep=0):
+        if not keep:
+            return catch_up(reqs, keep)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            catch_up(reqs, keep)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        calls.append(len(reqs))
+
+    prop._catch_up = strict
+    outs = [o.token_ids for o in llm.generate(batch, params)]
+    assert len(calls) >= 3  # the deferred catch-ups ran, none of them synced
+    for prompt, p, a, b in zip(batch, params, plain, outs):
+        ref = reference_greedy(ckpt, prompt, p.max_tokens)
+        assert_same_runs(b, a, ref, f"strict catch-up len {len(prompt)}", eps=GPU_EPS)
+    assert_drained(eng)

@@ -37,6 +37,7 @@ import torch
 from deltaserve.core import FinishReason, ForwardContext, Phase
 from deltaserve.engine.attention import AttentionMetadata, PagedAttentionBackend
 from deltaserve.engine.cuda_graph import VerifyChain
+from deltaserve.engine.staging import row_positions, to_device
 from deltaserve.spec.mtp.graph import MTPGraphs
 from deltaserve.spec.proposer import Proposer
 
@@ -342,11 +343,14 @@ class MTPProposer(Proposer):
         """One MTP forward: rows of request i at positions starts[i] .. starts[i]+lens[i]-1;
         ids: the token after each row (a list, or a long tensor already on the device)."""
         dev = self.device
+        # every upload through pinned staging: a copy from pageable memory waits for the
+        # stream, which would drain the overlap pipeline at each deferred catch-up
         meta = AttentionMetadata.build([r.page_table for r in reqs], starts, lens,
-                                       self.kv.page_size, dev, dtype=self.kv.k.dtype)
-        positions = [p for s, n in zip(starts, lens) for p in range(s, s + n)]
-        ctx = ForwardContext(positions=torch.tensor(positions, dtype=torch.long, device=dev),
+                                       self.kv.page_size, dev,
+                                       lambda a: to_device(a, torch.int64, dev),
+                                       dtype=self.kv.k.dtype)
+        ctx = ForwardContext(positions=to_device(row_positions(starts, lens), torch.int64, dev),
                              attn=PagedAttentionBackend(self.kv, meta), gdn=None)
         if not isinstance(ids, torch.Tensor):
-            ids = torch.tensor(ids, dtype=torch.long, device=dev)
+            ids = to_device(ids, torch.int64, dev)
         return self.head(ids, hidden, ctx)
