@@ -120,9 +120,13 @@ def test_a_held_ctrl_c_is_raised_when_the_block_ends_and_a_second_one_at_once():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-# Sends Ctrl-C to itself when `module` is first imported, then runs the command.
+# Sends Ctrl-C to itself when `module` is first imported, then runs the command. SIGINT starts
+# at Python's default handler, as in a terminal: a pytest started in the background by a shell
+# without job control passes SIGINT on ignored, and the command then rightly ignores Ctrl-C.
 _INTERRUPTED_AT = textwrap.dedent("""
     import signal, sys
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     class CtrlCAt:
         def find_spec(self, name, path=None, target=None):
