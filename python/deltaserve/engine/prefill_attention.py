@@ -122,8 +122,8 @@ class AttentionMetadata:
             spans.append((row, rows, start))
             row += rows
         parts = [np.concatenate([f[s:] for f, (_, _, s) in zip(flats, spans)])]
-        kv_bounds = np.concatenate([[0], np.cumsum([len(f) for f in flats])])
         if varlen:
+            kv_bounds = np.concatenate([[0], np.cumsum([len(f) for f in flats])])
             parts += [np.concatenate(flats), np.concatenate([[0], np.cumsum(lens)]), kv_bounds]
         elif per_request:
             parts += [f for f, (_, _, s) in zip(flats, spans) if s > 0]
