@@ -48,12 +48,15 @@ def first_costs(llm: LLM, vocab: int, one: SamplingParams) -> dict:
     return out
 
 
-def prime(llm: LLM, long: list[int], vocab: int) -> list[int]:
-    """Flush, prefill `long`, answer 32 tokens; returns the follow-up prompt (prefix cached)."""
+def prime(llm: LLM, longs: list[list[int]], vocab: int, seed: int = 2) -> list[list[int]]:
+    """Flush, prefill each of `longs`, answer 32 tokens each; returns the follow-up prompts
+    (each a long prompt, its answer and 256 new tokens of seed `seed` + i: prefix cached)."""
     llm.engine.flush_cache()
-    llm.generate([long], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    (a1,) = llm.generate([long], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    return long + a1.token_ids + prompt(256, vocab, 2)
+    llm.generate(longs, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    answers = llm.generate(longs, SamplingParams(temperature=0.0, max_tokens=32,
+                                                 ignore_eos=True))
+    return [lg + a.token_ids + prompt(256, vocab, seed + i)
+            for i, (lg, a) in enumerate(zip(longs, answers))]
 
 
 def device_busy_ms(prof) -> float:
@@ -99,10 +102,10 @@ def cprofiled(llm: LLM, ids: list[int], one: SamplingParams, label: str) -> str:
 def followup(llm: LLM, vocab: int, long_tokens: int, repeats: int, one) -> dict:
     long = prompt(long_tokens, vocab, 1)
     res: dict = {"followup_ms": [], "new_only_ms": []}
-    follow = prime(llm, long, vocab)  # compiles for these shapes
+    follow = prime(llm, [long], vocab)[0]  # compiles for these shapes
     llm.generate([follow], one)
     for _ in range(repeats):
-        follow = prime(llm, long, vocab)
+        follow = prime(llm, [long], vocab)[0]
         torch.cuda.synchronize()
         res["followup_ms"].append(round(timed(llm.generate, [follow], one) * 1e3, 3))
     # the uncached part alone, the same length as the follow-up's uncached tokens
@@ -116,11 +119,11 @@ def followup(llm: LLM, vocab: int, long_tokens: int, repeats: int, one) -> dict:
     res["ratio"] = f / n
     print(f"follow-up {f:.2f} ms (cached {out.cached_tokens}) vs its new tokens alone "
           f"({len(new_only)}) {n:.2f} ms: {f / n:.3f}x; all {res}", flush=True)
-    follow = prime(llm, long, vocab)
+    follow = prime(llm, [long], vocab)[0]
     res["profile_followup"] = profiled(llm, follow, one, "follow-up")
     llm.engine.flush_cache()
     res["profile_new_only"] = profiled(llm, new_only, one, "new tokens alone")
-    follow = prime(llm, long, vocab)
+    follow = prime(llm, [long], vocab)[0]
     res["cprofile_followup"] = cprofiled(llm, follow, one, "follow-up")
     llm.engine.flush_cache()
     res["cprofile_new_only"] = cprofiled(llm, new_only, one, "new tokens alone")
@@ -133,14 +136,10 @@ def concurrent_followups(llm: LLM, vocab: int, long_tokens: int, n: int, repeats
     32-token answer and 256 new tokens): the batch's time to its last first token against
     the same number of prompts of their uncached tokens alone, medians of `repeats`. Past
     PER_REQUEST_MAX requests the prefill's attention takes the varlen (or padded) path."""
+    longs = [prompt(long_tokens, vocab, 100 + i) for i in range(n)]
+
     def primed() -> list[list[int]]:
-        longs = [prompt(long_tokens, vocab, 100 + i) for i in range(n)]
-        llm.engine.flush_cache()
-        llm.generate(longs, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-        answers = llm.generate(longs, SamplingParams(temperature=0.0, max_tokens=32,
-                                                     ignore_eos=True))
-        return [lg + a.token_ids + prompt(256, vocab, 200 + i)
-                for i, (lg, a) in enumerate(zip(longs, answers))]
+        return prime(llm, longs, vocab, seed=200)
 
     res: dict = {"requests": n, "followup_ms": [], "new_only_ms": []}
     llm.generate(primed(), one)  # compiles for these shapes
