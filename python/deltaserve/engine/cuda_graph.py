@@ -64,11 +64,12 @@ def buckets(limit: int, start: int) -> list[int]:
 class DeviceTokens:
     """Inputs of a decode step launched before the previous step's tokens reached the host
     (engine/overlap.py): request i feeds tokens[index[i]] (tokens int64 [M], index int64 [N],
-    both on the device) at position starts[i] (its device_len + ahead, known on the host)."""
+    both on the device; index None: tokens[i], the rows kept their order) at position
+    starts[i] (its device_len + ahead, known on the host)."""
 
     starts: list[int]
     tokens: torch.Tensor
-    index: torch.Tensor
+    index: torch.Tensor | None
 
 
 @dataclass
@@ -208,8 +209,11 @@ class GraphRunner:
         if on_device:  # in stream order after the staged copy: no host round trip
             g.input_ids.view(b, rows)[:n, 1:].copy_(batch.draft_tensor)
         if device_tokens is not None:  # likewise, and before this replay overwrites them
-            torch.index_select(device_tokens.tokens, 0, device_tokens.index,
-                               out=g.input_ids[:n])
+            if device_tokens.index is None:
+                g.input_ids[:n].copy_(device_tokens.tokens[:n])
+            else:
+                torch.index_select(device_tokens.tokens, 0, device_tokens.index,
+                                   out=g.input_ids[:n])
         copy_into(g.gdn.meta.slots, slots)
         if g.gdn.meta.pending is not None:
             rows_buf = g.gdn.meta.pending[1]

@@ -9,8 +9,9 @@ inputs, replays the graph, copies the tokens back (the host waits for the GPU) a
   are (a decode request advances exactly one token per step: it feeds position device_len +
   ahead, `Req.ahead`; its pages up to max_len were reserved at admission, `ensure_pages` only
   takes them). Its input tokens are step n's sampled tokens, gathered on the device through a
-  staged row index (`DeviceTokens`); sampling runs on the device (`sample`), and the step's
-  tokens go to pinned memory in one non-blocking copy followed by an event.
+  staged row index (`DeviceTokens`; none when the rows keep their order, the usual case);
+  sampling runs on the device (`sample`), and the step's tokens go to pinned memory in one
+  non-blocking copy followed by an event.
 - land(n): wait for step n's event (step n+1 is queued behind it, so the GPU stays busy), then
   commit, stop checks, detokenize and build the outputs, as the synchronous step does.
 
@@ -198,7 +199,10 @@ class OverlapScheduler:
             return None
         for req, start in zip(reqs, starts):  # within what admission reserved
             sched.ensure_pages(req, start + 1)
-        index = to_device([rows[r.rid] for r in reqs], torch.long, self.engine.device)
+        order = [rows[r.rid] for r in reqs]
+        # the usual step feeds the previous one's rows in their order: a slice, nothing staged
+        index = None if order == list(range(len(order))) \
+            else to_device(order, torch.long, self.engine.device)
         return batch, DeviceTokens(starts, prev.tokens, index)
 
     def _launch(self, batch: Batch, device_tokens: DeviceTokens | None) -> InFlight:
