@@ -153,7 +153,10 @@ def test_gpu_the_hidden_ring_gives_the_head_the_rows_a_clone_gives(ckpt, monkeyp
     from deltaserve.spec.mtp import proposer
 
     monkeypatch.setattr(proposer, "AHEAD_CAP", 2)
-    batch, params = workload()
+    batch, _ = workload()
+    # long enough for the ring to wrap twice (the shared workload's 30 tokens launched 28)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in (96, 40, 64, 110, 50)]
 
     def run(ring: bool):
         llm = spec(ckpt, graphs=True, policy="adaptive")
