@@ -177,14 +177,32 @@ class Arm:
 
 def policy_view(policy, kinds: list[int], seconds: list[float]) -> dict:
     """What the adaptive policy saw in the timed runs: the median cost it was told of a verify
-    and of a plain step (ms; a step right after the other kind included), its kept medians per
-    (batch bucket, k) at the end (ms) and its running mean acceptance length; else {}."""
+    and of a plain step (ms; a step right after the other kind included), the same over the
+    steps that continued a run of their kind (what its medians keep) with their 90th
+    percentile, the mean length of each kind's runs, its kept medians per (batch bucket, k)
+    at the end (ms) and its running mean acceptance length; else {}."""
     if getattr(policy, "_medians", None) is None:
         return {}
-    told = {name: sorted(s for k, s in zip(kinds, seconds) if bool(k) == verify)
-            for name, verify in (("verify", True), ("plain", False))}
-    return {"policy_told_ms": {n: round(v[len(v) // 2] * 1e3, 4) if v else None
-                               for n, v in told.items()},
+
+    def pick(verify: bool, continuing: bool) -> list[float]:
+        return sorted(s for i, (k, s) in enumerate(zip(kinds, seconds)) if bool(k) == verify
+                      and (not continuing or (i > 0 and bool(kinds[i - 1]) == verify)))
+
+    def ms(v: list[float], q: float = 0.5) -> float | None:
+        return round(v[min(int(len(v) * q), len(v) - 1)] * 1e3, 4) if v else None
+
+    runs: dict[bool, list[int]] = {True: [], False: []}
+    for i, k in enumerate(kinds):
+        if i and bool(kinds[i - 1]) == bool(k):
+            runs[bool(k)][-1] += 1
+        else:
+            runs[bool(k)].append(1)
+    kinds_named = (("verify", True), ("plain", False))
+    return {"policy_told_ms": {n: ms(pick(v, False)) for n, v in kinds_named},
+            "policy_told_continuing_ms": {n: [ms(pick(v, True)), ms(pick(v, True), 0.9)]
+                                          for n, v in kinds_named},
+            "mean_run_length": {n: round(sum(runs[v]) / len(runs[v]), 2) if runs[v] else None
+                                for n, v in kinds_named},
             "policy_medians_ms": {f"b{b}/k{k}": round(v * 1e3, 4)
                                   for (b, k), v in sorted(policy._medians.items())},
             "policy_mean_acceptance": round(policy._global, 3)}
