@@ -92,7 +92,7 @@ def test_a_step_that_starts_a_run_is_not_a_cost_sample():
         p.on_step(3, 1, 2.6)
         p.on_step(0, 1, 1.8)
     assert p.cost(3, 1) == 2.0 and p.cost(0, 1) == 1.0
-    for _ in range(5):  # the steps after the first of a run count
+    for _ in range(p.window // 2 + 1):  # the steps after the first of a run count
         p.on_step(0, 1, 1.2)
     assert p.cost(0, 1) == 1.2
 
