@@ -165,8 +165,12 @@ def _key_refusal(authorization: str, api_key: str):
     scheme, _, token = authorization.strip().partition(" ")
     challenge = {"WWW-Authenticate": "Bearer"}
     if scheme.lower() != "bearer" or not token.strip():
-        return error_response(401, "You didn't provide an API key: send it as "
-                                   "'Authorization: Bearer YOUR_KEY'", headers=challenge)
+        # a header in another form is not "no key": say which form is wanted (the header's
+        # value is never echoed back, it may be the key)
+        said = ("The Authorization header is not a Bearer token" if authorization.strip()
+                else "You didn't provide an API key")
+        return error_response(401, f"{said}: send it as 'Authorization: Bearer YOUR_KEY'",
+                              headers=challenge)
     # constant time: the comparison must not tell how many leading characters were right
     if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
         return error_response(401, "Incorrect API key provided", code="invalid_api_key",
