@@ -12,25 +12,25 @@ a decode step at this batch size demands. The costs are the engine's wall time p
 (forward, proposer, sampling and host work alike), kept per batch-size bucket as the median of
 the last `window` (32) steps of each kind that continued a run of that kind: what each kind
 costs in a steady run, the way the policy's choice runs it. (With 8, a few slow steps set the
-median: on an H100 the batch-32 bucket of an MTP run kept 0.86 ms for plain steps whose median
-over the run was 0.40, and so kept verifying where it lost.) The first step of a run is not
-counted: the first of a kind in a bucket captures a CUDA graph (seconds, not milliseconds, which
-on the H200 made a median of the first two samples pick plain decode for a whole MTP run), a
-plain step after a verify is not overlapped with the one before (engine/overlap.py), and a
-verify after plain steps catches their rows up: while the two kinds alternate, counting those
-first steps would make each kind look dearer than it runs. Each kind is measured `min_samples`
-times before the policy decides. After a run of `explore_every` steps of one kind in a bucket
-the other kind runs once, to refresh its cost and the acceptance, so the policy notices when a
-workload turns repetitive (or stops being so). Each such probe costs: a verify that does not
-pay, or, under overlap scheduling, a drained pipeline and the MTP catch-up of the rows the plain
-steps left. So when a probe only confirms the choice (one step of the other kind, then back),
-the run before the next one doubles, up to `max_explore_every`; when the policy keeps the probed
-kind, it starts again from `explore_every`. Neither run is shorter than what keeps the probes'
-expected cost under `probe_budget` of the steps between them (`budget_interval`): where
-speculation loses clearly (a verify costing 2.9 decode steps that commits 1.6 tokens) a probe
-costs about 2.3 decode steps, so at a 2% budget the probes come 115 steps apart or more, and
-speculation left on costs under 2% of plain decoding; near the break-even the probes cost little
-and come as often as `explore_every` allows.
+median: on an H100 the batch-32 bucket of an MTP run on held-out prompts kept 0.86 ms for a
+plain step where plain decoding ran 0.38 ms a step, and so kept verifying where it lost.) The
+first step of a run is not counted: the first of a kind in a bucket captures a CUDA graph
+(seconds, not milliseconds, which on the H200 made a median of the first two samples pick plain
+decode for a whole MTP run), a plain step after a verify is not overlapped with the one before
+(engine/overlap.py), and a verify after plain steps catches their rows up: while the two kinds
+alternate, counting those first steps would make each kind look dearer than it runs. Each kind
+is measured `min_samples` times before the policy decides. After a run of `explore_every` steps
+of one kind in a bucket the other kind runs once, to refresh its cost and the acceptance, so the
+policy notices when a workload turns repetitive (or stops being so). Each such probe costs: a
+verify that does not pay, or, under overlap scheduling, a drained pipeline and the MTP catch-up
+of the rows the plain steps left. So when a probe only confirms the choice (one step of the
+other kind, then back), the run before the next one doubles, up to `max_explore_every`; when the
+policy keeps the probed kind, it starts again from `explore_every`. Neither run is shorter than
+what keeps the probes' expected cost under `probe_budget` of the steps between them
+(`budget_interval`): where speculation loses clearly (a verify costing 2.9 decode steps that
+commits 1.6 tokens) a probe costs about 2.3 decode steps, so at a 2% budget the probes come 115
+steps apart or more, and speculation left on costs under 2% of plain decoding; near the break-
+even the probes cost little and come as often as `explore_every` allows.
 
 Near the break-even the two kinds in turn cost more than either alone (each switch drains the
 overlap pipeline or catches deferred rows up): on an H100 in session 37 a batch-32 MTP run on
