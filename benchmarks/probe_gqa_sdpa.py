@@ -4,7 +4,7 @@ until session 41), on the 0.8B config's attention shapes (8 q / 2 kv heads x 256
 
 Shapes: an 8,192-token prompt (`is_causal`), and a follow-up turn of 288 new rows over 8,480
 positions (`causal_lower_right`). Each is timed with CUDA events, median of --iters calls after
-warm-up, in one process, so the two arms share the machine.
+warm-up (bench_kernels.median_ms), in one process, so the two arms share the machine.
 
     python benchmarks/probe_gqa_sdpa.py --out gqa_sdpa.json
 """
@@ -13,26 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from bench_kernels import median_ms  # a sibling script
 from torch.nn.attention.bias import causal_lower_right
 
 from deltaserve.engine.prefill_attention import _sdpa
-
-
-def timed_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def arms(rows: int, length: int, iters: int, hq: int = 8, hkv: int = 2,
@@ -54,7 +40,7 @@ def arms(rows: int, length: int, iters: int, hq: int = 8, hkv: int = 2,
 
     same = torch.equal(gqa(), repeat())
     return {"rows": rows, "length": length, "bitwise_equal": same,
-            "gqa_ms": timed_ms(gqa, iters), "repeat_ms": timed_ms(repeat, iters)}
+            "gqa_ms": median_ms(gqa, iters), "repeat_ms": median_ms(repeat, iters)}
 
 
 
