@@ -1,21 +1,24 @@
 // Skinny GEMM for decode projections (python/deltaserve/ops/linear.py holds the contract and the
-// reference): y [M, N] = x [M, K] · W [N, K]ᵀ (+ b [N]), M <= 8 rows, K % 8 == 0, bf16 / fp16,
+// reference): y [M, N] = x [M, K] · W [N, K]ᵀ (+ b [N]), M <= 32 rows, K % 8 == 0, bf16 / fp16,
 // fp32 accumulation, one rounding to T per output.
 //
-// At M <= 8 the GEMM is a weight stream: every weight element is used M times, so the kernel
+// At M <= 32 the GEMM is a weight stream: every weight element is used M times, so the kernel
 // must read W once at copy bandwidth and nothing else matters. cuBLAS picks 64 x 8 tiles with
 // split-K and a second reduce kernel for these shapes (0.7-1.4 TB/s on the H200, issue 27).
 // Here one block owns kTileCols = 8 weight rows (output columns) over all of K, its warps split
 // K, and a shared-memory sum of the warps' partials ends it: one launch, one write per (m, n).
 //
-// The math is one warp-level 16 x 8 x 16 MMA (mma_16816: tensor cores on sm_80+) per 16 k:
-//   A [16 m][16 k] = x rows (rows 8..15 are zero: a[1] = a[3] = 0),
+// The math is warp-level 16 x 8 x 16 MMAs (mma_16816: tensor cores on sm_80+) per 16 k:
+//   A [16 m][16 k] = x rows 16 j .. 16 j + 15 (M <= 8: rows 8..15 are zero, a[1] = a[3] = 0),
 //   B [16 k][8 n]  = the block's 8 weight rows, column n = weight row n0 + n,
-//   D [16 m][8 n]  = y[m][n0 + n] (d[0], d[1]; d[2], d[3] stay zero).
+//   D [16 m][8 n]  = y[16 j + m][n0 + n] (M <= 8: d[0], d[1]; d[2], d[3] stay zero),
+// one MMA per 16 rows of x (j): XR = ceil(M / 8) rows g + 8 i of x a lane loads (1, 2 or 4), and
+// every weight register feeds XR / 2 MMAs (one at XR = 1). A row's sum is the same MMA chain
+// whatever M is: a request's bits do not depend on the rows beside it.
 // A fragment register's k index depends only on t = lane % 4, in A and in B alike, so the k of
 // each register may be remapped freely as long as both use the same map. Lane (g = lane / 4, t)
 // loads 16 bytes = 8 consecutive k, [32 c + 8 t, + 8) of chunk c, of weight row n0 + g and of x
-// row g, and feeds words 0, 1 of both to one MMA and words 2, 3 to the next: no shuffles, no
+// rows g + 8 i, and feeds words 0, 1 of both to one MMA and words 2, 3 to the next: no shuffles, no
 // conversions, and the raw weight words go straight into the B registers. A warp load moves 8
 // rows x 64 bytes; the kUnroll chunks a warp loads before its first MMA of a round are WARPS
 // chunks apart, so the block's warps together read each weight row front to back.
@@ -33,7 +36,8 @@
 namespace ds {
 namespace gemv {
 
-constexpr int kMaxRows = 8;   // rows of x: the MMA's m rows 0..7 (lane groups g)
+constexpr int kMaxRows = 32;       // rows of x: g + 8 i for lane group g, i < XR <= 4
+constexpr int kMaxStagedRows = 8;  // rows of x a prologue makes (XR = 1: the stage's budget)
 constexpr int kTileCols = 8;  // weight rows (output columns) per block: the MMA's n
 constexpr int kChunk = 32;    // k per warp load of one weight row: 4 lanes x 8 elements
 constexpr int kUnroll = 8;    // chunks a warp loads before it multiplies (loads in flight)
@@ -44,7 +48,7 @@ struct GemvParams {
   const void* bias;  // [N] T, or nullptr
   void* y;           // [M, N] T dense
   int64_t ldx;       // elements between rows of x (a multiple of 8; 0: one row broadcast)
-  int M, N, K;       // 1 <= M <= kMaxRows, K % 8 == 0
+  int M, N, K;       // 1 <= M <= kMaxRows (kMaxStagedRows with a prologue), K % 8 == 0
   int variant;       // gemv_variant(), set by the launch
 };
 
@@ -65,7 +69,7 @@ DS_DEVICE uint4 load16(const void* p) { return *static_cast<const uint4*>(p); }
 // Where the main loop reads x: global rows (NoPrologue), or a copy of x the block made in shared
 // memory before it (gemv_prologue.cuh: x computed from the outputs of the kernel that would
 // otherwise have run before this one). Rows of the staged copy are stage_ld(K) elements apart.
-constexpr int kStageElems = 8192 + 8 * kMaxRows;  // 16.1 KB of 16-bit x a block, at most
+constexpr int kStageElems = 8192 + 8 * kMaxStagedRows;  // 16.1 KB of 16-bit x a block, at most
 DS_HOST_DEVICE constexpr int stage_ld(int K) { return K + 8; }  // + 16 bytes: no bank conflicts
 DS_HOST_DEVICE constexpr bool stage_fits(int M, int K) {
   return int64_t(M) * stage_ld(K) <= kStageElems;
@@ -93,11 +97,14 @@ DS_HOST_DEVICE constexpr int64_t dynamic_smem(int M, int K, bool smem_w, bool st
 // kernel that writes x: the weight stream overlaps that kernel's tail, the launch and the
 // prologue, and no register holds a weight load in flight. Else the tile is prefetched into L2
 // by one bulk request, and the warps load it into registers after the prologue.
-template <typename T, int WARPS, class Pro, bool kSmemW>
+// XR: rows of x a lane loads (1, 2 or 4: M <= 8, 16 or 32).
+template <typename T, int WARPS, class Pro, bool kSmemW, int XR>
 __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
                                                              const typename Pro::Params pro) {
   static_assert(sizeof(T) == 2, "16-bit operands (the MMA's)");
-  static_assert(WARPS * kWarp >= kMaxRows * kTileCols, "one thread per output of the tile");
+  static_assert(XR == 1 || XR == 2 || XR == 4, "8, 16 or 32 rows of x");
+  static_assert(!Pro::kStaged || XR == 1, "a prologue stages at most kMaxStagedRows rows");
+  constexpr int kGroups = XR == 1 ? 1 : XR / 2;  // MMAs per weight register (16 rows each)
   const int warp = static_cast<int>(threadIdx.x) / kWarp;
   const int lane = static_cast<int>(threadIdx.x) % kWarp, g = lane / 4, t = lane % 4;
   const int n0 = static_cast<int>(blockIdx.x) * kTileCols;
@@ -147,40 +154,57 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
   if (!(kSmemW && (p.variant & 2))) launch_dependents();  // the next kernel may start
                                                           // launching; it waits for our writes
 
-  const bool x_ok = g < p.M;
-  const T* xrow = Pro::kStaged ? staged + (x_ok ? g : 0) * ld + 8 * t
-                               : static_cast<const T*>(p.x) + (x_ok ? g : 0) * p.ldx + 8 * t;
-  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  bool x_ok[XR];
+  const T* xrow[XR];
+#pragma unroll
+  for (int i = 0; i < XR; ++i) {
+    const int r = g + 8 * i;
+    x_ok[i] = r < p.M;
+    xrow[i] = Pro::kStaged ? staged + (x_ok[i] ? r : 0) * ld + 8 * t
+                           : static_cast<const T*>(p.x) + (x_ok[i] ? r : 0) * p.ldx + 8 * t;
+  }
+  float d[kGroups][4] = {};
   for (int base = warp; base < chunks; base += kUnroll * WARPS) {
     if (base != warp) load_round(base);
     const int k0 = base * kChunk + 8 * t;
-    const T* xfirst = xrow + int64_t(base) * kChunk;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (base + u * WARPS >= chunks) break;  // warp-uniform: every lane runs each MMA
-      const uint4 xv = x_ok && k0 + u * WARPS * kChunk < p.K ? load16(xfirst + u * WARPS * kChunk)
-                                                             : zero;
-      const uint32_t a0[4] = {xv.x, 0u, xv.y, 0u}, b0[2] = {wv[u].x, wv[u].y};
-      const uint32_t a1[4] = {xv.z, 0u, xv.w, 0u}, b1[2] = {wv[u].z, wv[u].w};
-      mma_16816<T>(d, a0, b0);
-      mma_16816<T>(d, a1, b1);
+      const bool k_in = k0 + u * WARPS * kChunk < p.K;
+      uint4 xv[XR];
+#pragma unroll
+      for (int i = 0; i < XR; ++i)
+        xv[i] = x_ok[i] && k_in ? load16(xrow[i] + int64_t(base) * kChunk + u * WARPS * kChunk)
+                                : zero;
+      const uint32_t b0[2] = {wv[u].x, wv[u].y}, b1[2] = {wv[u].z, wv[u].w};
+#pragma unroll
+      for (int j = 0; j < kGroups; ++j) {  // rows 16 j + g (register 0, 2), + 8 (1, 3)
+        const uint4 lo = xv[XR == 1 ? 0 : 2 * j], hi = XR == 1 ? zero : xv[2 * j + 1];
+        const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y}, a1[4] = {lo.z, hi.z, lo.w, hi.w};
+        mma_16816<T>(d[j], a0, b0);
+        mma_16816<T>(d[j], a1, b1);
+      }
     }
   }
 
-  // d[0], d[1] = this warp's part of y[g][n0 + 2t], y[g][n0 + 2t + 1]; summed over the warps in
-  // warp order (fixed: the same bits on every run).
-  __shared__ float part[WARPS][kWarp][2];
-  part[warp][lane][0] = d[0];
-  part[warp][lane][1] = d[1];
+  // d[j][2 h + c] = this warp's part of y[g + 8 (2 j + h)][n0 + 2t + c], kept at
+  // part[warp][lane][2 i + c] for x row i = 2 j + h; summed over the warps in warp order (fixed:
+  // the same bits on every run).
+  __shared__ float part[WARPS][kWarp][2 * XR];
+#pragma unroll
+  for (int i = 0; i < XR; ++i) {
+    part[warp][lane][2 * i] = d[i / 2][2 * (i % 2)];
+    part[warp][lane][2 * i + 1] = d[i / 2][2 * (i % 2) + 1];
+  }
   __syncthreads();
-  const int out = static_cast<int>(threadIdx.x);
-  if (out < kMaxRows * kTileCols) {
+  for (int out = static_cast<int>(threadIdx.x); out < 8 * XR * kTileCols; out += WARPS * kWarp) {
     const int m = out / kTileCols, j = out % kTileCols, col = n0 + j;
     if (m < p.M && col < p.N) {
-      const int src = m * 4 + j / 2;  // lane g = m, t = j / 2 holds column j in d[j % 2]
-      float s = part[0][src][j % 2];
+      // lane g = m % 8, t = j / 2 holds column j of row m in its x row i = m / 8, word j % 2
+      const int src = (m % 8) * 4 + j / 2, e = 2 * (m / 8) + j % 2;
+      float s = part[0][src][e];
 #pragma unroll
-      for (int w = 1; w < WARPS; ++w) s = fadd(s, part[w][src][j % 2]);
+      for (int w = 1; w < WARPS; ++w) s = fadd(s, part[w][src][e]);
       if (p.bias != nullptr) s = fadd(s, to_float(static_cast<const T*>(p.bias)[col]));
       static_cast<T*>(p.y)[int64_t(m) * p.N + col] = from_float<T>(s);
     }
@@ -216,20 +240,37 @@ inline int gemv_variant() {
   return v;
 }
 
-template <typename T, class Pro, bool kSmemW>
+// Rows of x a lane loads for M rows (1, 2 or 4).
+DS_HOST_DEVICE constexpr int x_rows_per_lane(int M) { return M <= 8 ? 1 : M <= 16 ? 2 : 4; }
+
+template <typename T, class Pro, bool kSmemW, int XR>
 inline ds_error_t launch_gemv_shape(const GemvParams& p, const typename Pro::Params& pro,
                                     int64_t blocks, int warps, ds_stream_t stream) {
   const size_t smem = static_cast<size_t>(dynamic_smem(p.M, p.K, kSmemW, Pro::kStaged));
   switch (warps) {
     case 4:
-      return launch_dyn(gemv_kernel<T, 4, Pro, kSmemW>, blocks, 4 * kWarp, smem, stream,
+      return launch_dyn(gemv_kernel<T, 4, Pro, kSmemW, XR>, blocks, 4 * kWarp, smem, stream,
                         Pdl::kOn, p, pro);
     case 8:
-      return launch_dyn(gemv_kernel<T, 8, Pro, kSmemW>, blocks, 8 * kWarp, smem, stream,
+      return launch_dyn(gemv_kernel<T, 8, Pro, kSmemW, XR>, blocks, 8 * kWarp, smem, stream,
                         Pdl::kOn, p, pro);
     default:
-      return launch_dyn(gemv_kernel<T, 16, Pro, kSmemW>, blocks, 16 * kWarp, smem, stream,
+      return launch_dyn(gemv_kernel<T, 16, Pro, kSmemW, XR>, blocks, 16 * kWarp, smem, stream,
                         Pdl::kOn, p, pro);
+  }
+}
+
+template <typename T, class Pro, bool kSmemW>
+inline ds_error_t launch_gemv_rows(const GemvParams& p, const typename Pro::Params& pro,
+                                   int64_t blocks, int warps, ds_stream_t stream) {
+  if constexpr (Pro::kStaged) {
+    return launch_gemv_shape<T, Pro, kSmemW, 1>(p, pro, blocks, warps, stream);
+  } else {
+    switch (x_rows_per_lane(p.M)) {
+      case 1: return launch_gemv_shape<T, Pro, kSmemW, 1>(p, pro, blocks, warps, stream);
+      case 2: return launch_gemv_shape<T, Pro, kSmemW, 2>(p, pro, blocks, warps, stream);
+      default: return launch_gemv_shape<T, Pro, kSmemW, 4>(p, pro, blocks, warps, stream);
+    }
   }
 }
 
@@ -250,11 +291,12 @@ inline ds_error_t launch_gemv_with(GemvParams p, const typename Pro::Params& pro
   int64_t want = ceil_div(blocks, sms);
   want = want < 8 ? want : 8;
   const int64_t smem = dynamic_smem(p.M, p.K, true, Pro::kStaged);
-  const int64_t partials = int64_t(warps) * kWarp * 2 * 4;  // the static part[][][] sums
+  const int64_t partials =  // the static part[][][] sums
+      int64_t(warps) * kWarp * 2 * (Pro::kStaged ? 1 : x_rows_per_lane(p.M)) * 4;
   const int64_t block_smem = smem + partials + 1024;  // + what the runtime reserves a block
   if ((p.variant & 1) && smem + partials <= per_block && want * block_smem <= per_sm)
-    return launch_gemv_shape<T, Pro, true>(p, pro, blocks, warps, stream);
-  return launch_gemv_shape<T, Pro, false>(p, pro, blocks, warps, stream);
+    return launch_gemv_rows<T, Pro, true>(p, pro, blocks, warps, stream);
+  return launch_gemv_rows<T, Pro, false>(p, pro, blocks, warps, stream);
 }
 
 template <typename T>

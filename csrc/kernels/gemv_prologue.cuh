@@ -11,7 +11,7 @@
 // the stand-alone kernels run, so x holds the same bits as their output, and the main loop
 // (gemv.cuh) multiplies the same values in the same order: y is bitwise the unfused pair's.
 // Block 0 alone writes the sum s of add_rms_norm (every block reads residual and h, never s).
-// x must fit the stage (M * (K + 8) <= kStageElems) and the views 16-byte accesses; norm rows
+// x must fit the stage (M <= kMaxStagedRows, M * (K + 8) <= kStageElems) and the views 16-byte accesses; norm rows
 // take at most 128 threads (D <= 4096 16-bit elements). No allocation, no host synchronisation.
 #pragma once
 
@@ -81,7 +81,8 @@ inline int prologue_norm_threads(int D, int elem_bytes) {
 template <typename T, fused::Gate G>
 inline ds_error_t launch_gemv_gate(const GemvParams& p, const fused::GateParams& pro,
                                    ds_stream_t stream) {
-  if (!gemv_args_ok(p) || !stage_fits(p.M, p.K) || pro.T != p.M || pro.cols != p.K)
+  if (!gemv_args_ok(p) || p.M > kMaxStagedRows || !stage_fits(p.M, p.K) || pro.T != p.M ||
+      pro.cols != p.K)
     return DS_ERROR_INVALID_VALUE;
   return launch_gemv_with<T, GatePrologue<G>>(p, pro, stream);
 }
@@ -89,7 +90,8 @@ inline ds_error_t launch_gemv_gate(const GemvParams& p, const fused::GateParams&
 template <typename T, fused::Norm K>
 inline ds_error_t launch_gemv_norm(const GemvParams& p, const fused::NormParams& pro,
                                    ds_stream_t stream) {
-  if (!gemv_args_ok(p) || !stage_fits(p.M, p.K) || pro.rows < p.M || pro.rows % p.M != 0 ||
+  if (!gemv_args_ok(p) || p.M > kMaxStagedRows || !stage_fits(p.M, p.K) || pro.rows < p.M ||
+      pro.rows % p.M != 0 ||
       int64_t(pro.rows / p.M) * pro.D != p.K)
     return DS_ERROR_INVALID_VALUE;
   switch (prologue_norm_threads(pro.D, sizeof(T))) {

@@ -1,5 +1,5 @@
 // The weight-side checks of the gemv bindings (linear.cu, linear_prologue.cu): weight [N, K]
-// dense and 16-byte aligned in the activation dtype, optional bias [N], M in 1..8 rows, K a
+// dense and 16-byte aligned in the activation dtype, optional bias [N], M in 1..32 rows, K a
 // positive multiple of 8. Host only.
 #pragma once
 
@@ -29,7 +29,7 @@ inline ds::gemv::GemvParams gemv_params(const at::Tensor& like, const at::Tensor
   check_dtype(weight, like.scalar_type(), "weight (x's dtype)");
   check_dense(weight, "weight");
   const int64_t n = weight.size(0);
-  TORCH_CHECK(m >= 1 && m <= ds::gemv::kMaxRows, "deltaserve: gemv takes 1 to 8 rows of x");
+  TORCH_CHECK(m >= 1 && m <= ds::gemv::kMaxRows, "deltaserve: gemv takes 1 to 32 rows of x");
   TORCH_CHECK(k >= 8 && k % 8 == 0 && k <= (int64_t(1) << 30),
               "deltaserve: gemv K must be a positive multiple of 8 (at most 2^30)");
   TORCH_CHECK(n >= 1 && n <= (int64_t(1) << 31) - 1 - ds::gemv::kTileCols,

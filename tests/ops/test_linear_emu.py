@@ -1,10 +1,11 @@
 """The gemv kernel's own code (csrc/kernels/gemv.cuh), run on the CPU by the emulated device
 runtime (kernels_emu.py) through `ops.linear.linear`, against the float64 product within the
-kernel's contract (linear_inputs.py): M = 1 .. 8, N not a multiple of the 8-column tile, K a
-multiple of 8 that is not one of the 32-element warp chunk (8, 40, 264), with and without bias,
-bf16 and fp16, the three block shapes (16, 8 and 4 warps: 528 blocks or more take 4 warps, as
-on an H200's 132 SMs), and x handed over as a 3-D or a strided view. Sizes stay small (the
-emulator runs a block's threads as fibers); tests/ops/test_linear_gpu.py owns the real ones."""
+kernel's contract (linear_inputs.py): M = 1 .. 8 and up to 32 (one or two 16-row MMAs a weight
+register), N not a multiple of the 8-column tile, K a multiple of 8 that is not one of the
+32-element warp chunk (8, 40, 264), with and without bias, bf16 and fp16, the three block shapes
+(16, 8 and 4 warps: 528 blocks or more take 4 warps, as on an H200's 132 SMs), and x handed over
+as a 3-D or a strided view. Sizes stay small (the emulator runs a block's threads as fibers);
+tests/ops/test_linear_gpu.py owns the real ones."""
 
 from __future__ import annotations
 
@@ -24,7 +25,14 @@ def emu(monkeypatch):
     return kernels_emu.emulate(monkeypatch)
 
 
-@pytest.mark.parametrize("m", range(1, 9))
+@pytest.fixture
+def emu_all_grids(emu, monkeypatch):
+    """The kernel at every row count on every grid (the engine keeps wide grids to 8 rows)."""
+    monkeypatch.setattr(linear_ops, "WIDE_MAX_ROWS", linear_ops.KERNEL_MAX_ROWS)
+    return emu
+
+
+@pytest.mark.parametrize("m", [*range(1, 9), 9, 15, 16, 17, 31, 32])
 @pytest.mark.parametrize("n,k", [(13, 8), (37, 40), (9, 264)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -40,13 +48,28 @@ def test_emulated_gemv_matches_the_product_for_every_row_count(emu, m, n, k, bia
 # loads (129 chunks > 8 x 16); N = 2113 -> 265 blocks (8 warps), 4229 -> 529 blocks (4 warps),
 # K = 16 / 72: warps with no chunk, K = 264 / 136: warps with one chunk more than the others
 @pytest.mark.parametrize("m,n,k", [(2, 9, 1032), (1, 5, 4104), (3, 2113, 16), (3, 2113, 264),
-                                   (2, 4229, 72), (2, 4229, 136)])
-def test_emulated_gemv_with_16_8_and_4_warp_blocks_matches(emu, m, n, k):
+                                   (2, 4229, 72), (2, 4229, 136), (32, 9, 1032), (16, 5, 4104),
+                                   (27, 2113, 264), (12, 4229, 72)])
+def test_emulated_gemv_with_16_8_and_4_warp_blocks_matches(emu_all_grids, m, n, k):
     gen = torch.Generator().manual_seed(n)
     x, w, b = operands(m, n, k, torch.bfloat16, gen, bias=True)
     y = linear_ops.linear(x, w, b)
-    assert emu.calls == 1
+    assert emu_all_grids.calls == 1
     assert_matches_fp64(y, x, w, b)
+
+
+@pytest.mark.parametrize("m,n,kernel", [(8, 2113, True), (9, 2113, False), (32, 1057, False),
+                                        (9, 1056, True), (32, 1056, True)])
+def test_more_than_8_rows_take_the_kernel_only_on_one_wave_grids(emu, m, n, kernel):
+    # the emulator reports 132 multiprocessors: N <= 1056 is one block of 8 columns an SM
+    gen = torch.Generator().manual_seed(m + n)
+    x, w, b = operands(m, n, 16, torch.bfloat16, gen, bias=False)
+    y = linear_ops.linear(x, w, b)
+    assert emu.calls == int(kernel)
+    if kernel:
+        assert_matches_fp64(y, x, w, b)
+    else:
+        assert torch.equal(y, torch.nn.functional.linear(x, w, b))
 
 
 def test_emulated_gemv_takes_3d_and_strided_views_of_x(emu):
@@ -62,6 +85,16 @@ def test_emulated_gemv_takes_3d_and_strided_views_of_x(emu):
     assert emu.calls == 2
 
 
+@pytest.mark.parametrize("m", [16, 32])
+def test_emulated_gemv_row_bits_do_not_depend_on_the_rows_beside_it(emu, m):
+    # 16 and 32 rows take one and two 16-row MMAs a weight register; 8 rows the 8-row form
+    gen = torch.Generator().manual_seed(m)
+    x, w, b = operands(m, 21, 264, torch.bfloat16, gen, bias=True)
+    y = linear_ops.linear(x, w, b)
+    for rows in (slice(0, 1), slice(0, 8), slice(m - 9, m)):
+        assert torch.equal(y[rows], linear_ops.linear(x[rows], w, b))
+
+
 def test_emulated_gemv_gives_the_same_bits_on_every_call(emu):
     gen = torch.Generator().manual_seed(9)
     x, w, b = operands(5, 70, 264, torch.bfloat16, gen, bias=True)
@@ -72,7 +105,7 @@ def test_emulated_gemv_gives_the_same_bits_on_every_call(emu):
 def test_inputs_outside_the_kernel_run_f_linear(emu, monkeypatch, case):
     gen = torch.Generator().manual_seed(3)
     dtype = torch.float32 if case == "fp32" else torch.bfloat16
-    m = 9 if case == "rows" else 2
+    m = 33 if case == "rows" else 2
     k = 36 if case == "k" else 32
     x, w, b = operands(m, 11, k, dtype, gen, bias=True)
     if case == "misaligned":  # rows start one element past a 16-byte boundary
@@ -85,13 +118,13 @@ def test_inputs_outside_the_kernel_run_f_linear(emu, monkeypatch, case):
 
 
 @pytest.mark.parametrize("case,message", [
-    ("rows", "1 to 8 rows"), ("k", "multiple of 8"), ("weight", "weight must be contiguous"),
+    ("rows", "1 to 32 rows"), ("k", "multiple of 8"), ("weight", "weight must be contiguous"),
     ("dtype", "weight (x's dtype)"), ("bias", "bias must be"), ("misaligned", "16-byte aligned"),
     ("stride", "multiple of 8 apart")])
 def test_emulated_gemv_binding_names_the_bad_argument(case, message):
     ops = kernels_emu.load()
     gen = torch.Generator().manual_seed(4)
-    x, w, b = operands(9 if case == "rows" else 2, 16, 12 if case == "k" else 32,
+    x, w, b = operands(33 if case == "rows" else 2, 16, 12 if case == "k" else 32,
                        torch.bfloat16, gen, bias=True)
     if case == "weight":  # column-major: not contiguous
         w = w.t().contiguous().t()

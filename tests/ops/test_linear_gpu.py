@@ -44,10 +44,12 @@ def counted(monkeypatch):
     ops = kernels_emu.CountingOps(torch.ops.deltaserve)
     monkeypatch.setattr(_ext, "ops", lambda: ops)
     monkeypatch.setattr(linear_ops, "GEMV_MAX_ROWS", linear_ops.KERNEL_MAX_ROWS)
+    # every row count on every grid (the engine keeps grids wider than a wave to 8 rows)
+    monkeypatch.setattr(linear_ops, "WIDE_MAX_ROWS", linear_ops.KERNEL_MAX_ROWS)
     return ops
 
 
-@pytest.mark.parametrize("m", range(1, 9))
+@pytest.mark.parametrize("m", [*range(1, 9), 9, 16, 17, 24, 32])
 @pytest.mark.parametrize("n", [1, 1027, 2051, 8223])
 @pytest.mark.parametrize("k", [8, 1024, 2048, 3584, 4104])
 @pytest.mark.parametrize("bias", [False, True])
@@ -60,7 +62,7 @@ def test_gemv_matches_the_product(m, n, k, bias, dtype, gen, counted):
 
 
 @pytest.mark.parametrize("n,k", MODEL_SHAPES + [(248320, 1024)])
-@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("m", [1, 4, 8, 16, 32])
 def test_gemv_matches_at_the_model_shapes(n, k, m, gen, counted):
     x, w, _ = operands(m, n, k, torch.bfloat16, gen, False, DEV)
     y = linear_ops.linear(x, w)
@@ -101,8 +103,17 @@ def test_gemv_captures_in_a_cuda_graph_and_replays_equal(gen, counted):
     assert counted.calls == 3 * len(calls)
 
 
+@pytest.mark.parametrize("n,k", [MODEL_SHAPES[0], MODEL_SHAPES[3]])  # 4 and 16 warps a block
+@pytest.mark.parametrize("m", [16, 32])
+def test_gemv_row_bits_do_not_depend_on_the_rows_beside_it(m, n, k, gen, counted):
+    x, w, _ = operands(m, n, k, torch.bfloat16, gen, False, DEV)
+    y = linear_ops.linear(x, w)
+    for rows in (slice(0, 1), slice(0, 8), slice(m - 9, m)):
+        assert torch.equal(y[rows], linear_ops.linear(x[rows], w))
+
+
 def test_rows_past_the_limit_and_fp32_run_f_linear(gen, counted):
-    x, w, b = operands(9, 64, 128, torch.bfloat16, gen, True, DEV)
+    x, w, b = operands(33, 64, 128, torch.bfloat16, gen, True, DEV)
     assert torch.equal(linear_ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
     x32, w32 = x.float(), w.float()
     assert torch.equal(linear_ops.linear(x32, w32), torch.nn.functional.linear(x32, w32))

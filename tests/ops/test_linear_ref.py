@@ -44,7 +44,8 @@ def test_linear_names_mismatched_shapes(x_shape, w_shape, b_shape):
         linear_ops.linear(x, w, b)
 
 
-@pytest.mark.parametrize("value,rows", [(None, 8), ("", 8), ("0", 0), ("1", 1), ("8", 8)])
+@pytest.mark.parametrize("value,rows", [(None, 8), ("", 8), ("0", 0), ("1", 1), ("8", 8),
+                                        ("32", 32)])
 def test_max_rows_env_sets_the_row_limit(value, rows):
     assert linear_ops._max_rows_from_env(value, default=8) == rows
     assert linear_ops._max_rows_from_env(value, default=0) == (0 if value in (None, "") else rows)
@@ -57,7 +58,7 @@ def test_the_kernel_is_on_by_default_on_cuda_and_off_on_rocm():
     assert linear_ops._max_rows_from_env("0") == 0
 
 
-@pytest.mark.parametrize("value", ["9", "-1", "four", "2.5"])
-def test_max_rows_env_refuses_values_outside_0_to_8(value):
+@pytest.mark.parametrize("value", ["33", "-1", "four", "2.5"])
+def test_max_rows_env_refuses_values_outside_0_to_32(value):
     with pytest.raises(ValueError, match="DS_GEMV_MAX_ROWS"):
         linear_ops._max_rows_from_env(value)

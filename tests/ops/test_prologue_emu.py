@@ -63,6 +63,18 @@ def test_inputs_past_the_stage_take_the_unfused_pair(emu, kind):
     assert torch.equal(y, linear_ops.linear(fresh.materialize(), w, b))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_more_rows_than_a_prologue_stages_take_the_unfused_pair_through_gemv(emu, kind):
+    # 9 rows of a small K fit the stage's elements but not its 8 rows: op, then plain gemv
+    gen = torch.Generator().manual_seed(5)
+    inp, w, b = make(kind, 9, (1, 32), 16, torch.bfloat16, gen)
+    assert inp._fused(w, b) is None
+    y = linear_ops.linear(inp, w, b)
+    assert emu.by_op.get(f"{kind}_gemv", 0) == 0 and emu.by_op["gemv"] == 1
+    fresh, _, _ = make(kind, 9, (1, 32), 16, torch.bfloat16, torch.Generator().manual_seed(5))
+    assert torch.equal(y, linear_ops.linear(fresh.materialize(), w, b))
+
+
 def test_prologue_off_runs_the_pair(emu, monkeypatch):
     monkeypatch.setattr(prologue, "PROLOGUE_ON", False)
     inp, w, b = make("silu_mul", 2, (1, 64), 24, torch.bfloat16, torch.Generator().manual_seed(1))

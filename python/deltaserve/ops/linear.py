@@ -1,6 +1,6 @@
 """Dense projections: y = x Wᵀ (+ b), with a skinny-GEMM kernel for decode-sized batches.
 
-At M <= 8 rows (decode, verify of a few requests) a projection is a stream of its weights, and
+At M <= 32 rows (decode, verify of a few requests) a projection is a stream of its weights, and
 cuBLAS runs these shapes at a third of the copy bandwidth on the H200 (split-K tiles plus a
 reduce kernel: issue 27). `linear` sends them to the extension's `gemv` (csrc/kernels/gemv.cuh:
 one block per 8 output columns over all of K, tensor-core MMAs, one launch); every other input
@@ -15,6 +15,7 @@ same inputs give the same bits on every run.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -22,18 +23,26 @@ import torch.nn.functional as F
 
 from deltaserve.ops import _ext
 
-KERNEL_MAX_ROWS = 8  # the kernel's limit (the MMA's rows)
+KERNEL_MAX_ROWS = 32  # the kernel's limit: two 16-row MMAs per weight register
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+# Above 8 rows the kernel wins only where its grid is one wave (N / 8 <= multiprocessors: the
+# hidden-wide outputs, out_proj / o_proj / down_proj, one 16-warp block an SM reading x once).
+# Wider grids re-read x per block: on an H100 (bench_linear, session 43) in_proj ran 0.92x of
+# cuBLAS at 16 rows and 0.55x at 32, the LM head 0.91x / 0.57x, the 1024-column ones 1.39-1.57x
+# at 16 and 1.13x at 32. So wider grids keep this limit.
+WIDE_MAX_ROWS = 8
+EMULATED_MULTIPROCESSORS = 132  # csrc/kernels/compat.cuh: the emulator reports an H100's SMs
 # On by default on CUDA: on the H200 (2026-12-04) its 661 GPU test cases passed, and the 0.8B
 # config's batch-1 decode went from 440 to 680 tok/s with it (benchmarks/RESULTS.md; cuBLAS runs
 # these shapes as split-K tiles plus a reduce kernel at 0.7-1.4 TB/s). On ROCm the kernel's MMA
 # is the portable shuffle form (correct, far slower than the tensor cores): off there.
-# DS_GEMV_MAX_ROWS=0..8 overrides (0: every projection on cuBLAS / hipBLAS).
-DEFAULT_MAX_ROWS = 0 if torch.version.hip else 8
+# DS_GEMV_MAX_ROWS=0..32 overrides (0: every projection on cuBLAS / hipBLAS).
+DEFAULT_MAX_ROWS = 0 if torch.version.hip else 32
 
 
 def _max_rows_from_env(value: str | None, default: int = DEFAULT_MAX_ROWS) -> int:
-    """DS_GEMV_MAX_ROWS: rows up to which the kernel runs, 0 (off) .. 8; unset: `default`."""
+    """DS_GEMV_MAX_ROWS: rows up to which the kernel runs, 0 (off) .. 32 (WIDE_MAX_ROWS bounds
+    grids of more blocks than multiprocessors); unset: `default`."""
     return _ext.count_from_env("DS_GEMV_MAX_ROWS", default, KERNEL_MAX_ROWS, value or "")
 
 
@@ -83,16 +92,30 @@ def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 def gemv_fits(rows: int, dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None,
               *inputs: torch.Tensor) -> bool:
-    """The gemv kernel's conditions on everything but x's layout: 1 .. GEMV_MAX_ROWS rows, a
-    kernel dtype shared by the weight (and bias), K % 8 == 0, a contiguous 16-byte-aligned
-    weight, every tensor (`inputs`: what x is read from) on the extension's device. Cheapest
-    checks first: prefill and CPU calls leave at once (ops/prologue.py calls it per layer)."""
+    """The gemv kernel's conditions on everything but x's layout: 1 .. GEMV_MAX_ROWS rows (at
+    most WIDE_MAX_ROWS where N / 8 > the device's multiprocessors), a kernel dtype shared by
+    the weight (and bias), K % 8 == 0, a contiguous 16-byte-aligned weight, every tensor
+    (`inputs`: what x is read from) on the extension's device. Cheapest checks first: prefill
+    and CPU calls leave at once (ops/prologue.py calls it per layer)."""
     k = weight.shape[1]
     return (0 < rows <= GEMV_MAX_ROWS and dtype in KERNEL_DTYPES and k % 8 == 0
+            and (rows <= WIDE_MAX_ROWS or weight.shape[0] <= 8 * _multiprocessors(weight))
             and weight.shape[0] > 0 and weight.dtype == dtype
             and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
             and weight.is_contiguous() and weight.data_ptr() % 16 == 0
             and _ext.use_extension(weight, *inputs, *(() if bias is None else (bias,))))
+
+
+def _multiprocessors(t: torch.Tensor) -> int:
+    """Multiprocessors of t's device (EMULATED_MULTIPROCESSORS off CUDA: the CPU emulation)."""
+    return _device_multiprocessors(t.device.index if t.is_cuda else -1)
+
+
+@functools.cache
+def _device_multiprocessors(index: int) -> int:
+    if index < 0:
+        return EMULATED_MULTIPROCESSORS
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor | None:

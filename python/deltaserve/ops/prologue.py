@@ -12,11 +12,12 @@ kernel's device code, then multiplies) where the inputs fit it, and elsewhere th
 after the other (`materialize`, then `linear`): the pure-torch references on the CPU.
 
 Contract: `project(w, b)` is bitwise `linear(materialize(), w, b)` wherever both run the
-extension's kernels (same x bits, same products in the same order), so whether a call fits
-the fused kernel never changes a result. Fits: CUDA, bf16 / fp16, M = 1 .. GEMV_MAX_ROWS rows
-(ops/linear.py), M * (K + 8) <= 8,256 elements (the kernel's shared-memory stage), views that
-allow 16-byte accesses, norm rows of at most 4,096 elements. DS_GEMV_PROLOGUE=0 turns the
-fused kernels off (A/B runs), as DS_GEMV_MAX_ROWS=0 turns off gemv itself.
+extension's kernels (same x bits, same products in the same order), so whether a call fits the
+fused kernel never changes a result. Fits: CUDA, bf16 / fp16, M = 1 .. PROLOGUE_MAX_ROWS (8)
+rows within gemv's own limits (ops/linear.py), M * (K + 8) <= 8,256 elements (the kernel's
+shared-memory stage), views that allow 16-byte accesses, norm rows of at most 4,096 elements.
+DS_GEMV_PROLOGUE=0 turns the fused kernels off (A/B runs), as DS_GEMV_MAX_ROWS=0 turns off gemv
+itself.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import torch
 from deltaserve.ops import _ext, fused
 from deltaserve.ops import linear as linear_ops
 
-STAGE_ELEMS = 8192 + 8 * linear_ops.KERNEL_MAX_ROWS  # csrc/kernels/gemv.cuh, kStageElems
+PROLOGUE_MAX_ROWS = 8  # csrc/kernels/gemv.cuh, kMaxStagedRows
+STAGE_ELEMS = 8192 + 8 * PROLOGUE_MAX_ROWS  # csrc/kernels/gemv.cuh, kStageElems
 MAX_NORM_ROW = 4096  # elements of a norm row the prologue takes (128 threads x 4 x 8)
 PROLOGUE_ON = _ext.count_from_env("DS_GEMV_PROLOGUE", 1, 1) == 1
 
@@ -44,7 +46,8 @@ def _kernel_fits(x: torch.Tensor, m: int, k: int, weight: torch.Tensor,
     """The gemv prologue kernels take these: gemv's own conditions for M rows of K
     (`linear.gemv_fits`, cheapest first: a prefill or CPU call leaves at once) and the stage's
     size."""
-    return (PROLOGUE_ON and m * (k + 8) <= STAGE_ELEMS and weight.dim() == 2
+    return (PROLOGUE_ON and m <= PROLOGUE_MAX_ROWS and m * (k + 8) <= STAGE_ELEMS
+            and weight.dim() == 2
             and weight.shape[1] == k and linear_ops.gemv_fits(m, x.dtype, weight, bias, x, *inputs))
 
 
