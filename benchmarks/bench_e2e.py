@@ -112,6 +112,9 @@ def main() -> None:
                     help="only decode tok/s at long contexts (long_context_decode)")
     ap.add_argument("--step-only", action="store_true",
                     help="only the kernels per step and the host gap (fast)")
+    ap.add_argument("--step-batches", default="1,32",
+                    help="batch sizes of the overlap table (host gap and tok/s, overlap on "
+                         "and off), comma-separated")
     ap.add_argument("--disable-overlap-schedule", action="store_true",
                     help="synchronous decode steps throughout (engine/overlap.py)")
     ap.add_argument("--out", default="e2e.json")
@@ -147,7 +150,8 @@ def main() -> None:
             res["load_s"] = time.perf_counter() - t_load
             res["params"] = sum(p.numel() for p in llm.engine.model.parameters())
             res.update(e2e_configs.rooflines(llm.engine.model, args.prefill_tokens, 256))
-        res.update(step_figures(llm, args.vocab, res["params"]))
+        batches = tuple(int(b) for b in args.step_batches.split(","))
+        res.update(step_figures(llm, args.vocab, res["params"], batches))
         if args.step_only:
             if args.profile:
                 res["profile"] = profile_tables(llm, args.vocab)
@@ -211,7 +215,8 @@ def prefill_launch_figures(llm: LLM, vocab: int, long: int) -> dict:
     return out
 
 
-def step_figures(llm: LLM, vocab: int, n_params: int) -> dict:
+def step_figures(llm: LLM, vocab: int, n_params: int,
+                 batches: tuple[int, ...] = (1, 32)) -> dict:
     """Kernels per decode step and host gap at batch 1 as configured (overlap scheduling on
     unless --disable-overlap-schedule), then host gap and decode tok/s beside the graph's
     device-bound tok/s with overlap on and off at batch 1 and 32 (step_kernels.py), with the
@@ -220,7 +225,7 @@ def step_figures(llm: LLM, vocab: int, n_params: int) -> dict:
     out = kernels_per_step(eng, vocab)
     out.update(host_gap(eng, vocab))
     if eng.graphs is not None:
-        out["overlap_table"] = overlap_table(eng, vocab)
+        out["overlap_table"] = overlap_table(eng, vocab, batches)
     out["roofline_step_s"] = 2 * n_params / 4274e9
     names = out.pop("kernel_names")
     print("kernels in one decode step (name: count):", flush=True)

@@ -78,6 +78,17 @@ if has abext; then
   for arm in ${ABDEF:-ref new}; do i=$((i + 1)); ab_run "$arm" "abdef_${arm}$i" --model default; done
   use_ext new
 fi
+# same-call A/B of the gemv row limit: the 0.8B config's step figures (batch 1 and 32) with
+# DS_GEMV_MAX_ROWS set to each of $ROWSAB_ARMS in turn (8: the kernel up to 8 rows, cuBLAS
+# above; "ref": the extension of csrc hash $REF_EXT with 8)
+if has rowsab; then
+  i=0; for arm in ${ROWSAB_ARMS:-8 32 8 32}; do
+    i=$((i + 1)); rows=$arm
+    if [ "$arm" = ref ]; then use_ext ref; rows=8; else use_ext new; fi
+    DS_GEMV_MAX_ROWS=$rows TAILN=${ROWSAB_TAIL:-4} run "rows${arm}_$i" 120 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --step-batches ${ROWSAB_B:-1,32} --out "$LOGS/rows${arm}_$i.json"
+  done
+  use_ext new
+fi
 # where a decode step's device time goes, kernel by kernel, at batch 1 and 32 (0.8B config)
 has profstep && TAILN=4 run profstep 150 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --profile --out "$LOGS/profstep.json"
 # bench_linear once per DS_GEMV_VARIANT in $LINEAR_VARIANTS (default: the variable's value, else
