@@ -11,8 +11,9 @@
 // the stand-alone kernels run, so x holds the same bits as their output, and the main loop
 // (gemv.cuh) multiplies the same values in the same order: y is bitwise the unfused pair's.
 // Block 0 alone writes the sum s of add_rms_norm (every block reads residual and h, never s).
-// x must fit the stage (M <= kMaxStagedRows, M * (K + 8) <= kStageElems) and the views 16-byte accesses; norm rows
-// take at most 128 threads (D <= 4096 16-bit elements). No allocation, no host synchronisation.
+// x must fit the stage (M <= kMaxStagedRows, M * (K + 8) <= kStageElems) and the views 16-byte
+// accesses; norm rows take at most 128 threads (D <= 4096 16-bit elements). No allocation, no
+// host synchronisation.
 #pragma once
 
 #include "fused.cuh"
