@@ -99,6 +99,16 @@ def test_a_refused_tool_choice_says_why(choice, says):
         chat(tool_choice=choice).check_supported()
 
 
+@pytest.mark.parametrize("fields, says", [
+    ({"logprobs": True, "top_logprobs": 25}, r"top_logprobs must be in \[0, 20\], got 25"),
+    ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+    ({"logprobs": False, "top_logprobs": 25}, r"must be in \[0, 20\]"),
+])
+def test_a_refused_top_logprobs_says_which_rule_it_broke(fields, says):
+    with pytest.raises(InvalidRequest, match=says):
+        chat(**fields).check_supported()
+
+
 def test_tool_choice_auto_without_tools_is_refused():
     with pytest.raises(InvalidRequest, match="tool_choice needs tools") as e:
         chat(tool_choice="auto").check_supported()

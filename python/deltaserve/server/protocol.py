@@ -279,10 +279,12 @@ class ChatCompletionRequest(_GenerationRequest):
         super().check_supported()
         if not self.messages:
             raise InvalidRequest("messages must contain at least one message", "messages")
-        if self.top_logprobs is not None and not (
-                self.logprobs and 0 <= self.top_logprobs <= MAX_LOGPROBS):
-            raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}] and needs "
-                                 "logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                                     f"{self.top_logprobs}", "top_logprobs")
+            if not self.logprobs:
+                raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
         extra = self.model_extra or {}
         refuse_set_extras(extra, TOOL_FIELDS, " (use tools and tool_choice)")
         check_tools(self)
