@@ -1,7 +1,7 @@
-"""The gemv kernel (ops.linear.linear, M <= 8 rows) against F.linear (cuBLAS) at the 0.8B
+"""The gemv kernel (ops.linear.linear, M <= 32 rows) against F.linear (cuBLAS) at the 0.8B
 config's decode projections (hidden 1024, bf16): GDN in_proj 1024 -> 8224, out_proj 2048 ->
 1024, MLP gate_up 1024 -> 7168 and down 3584 -> 1024, attention qkv 1024 -> 5120 and o 2048 ->
-1024, and the LM head 1024 -> 248320; M = 1, 2, 4, 8 rows.
+1024, and the LM head 1024 -> 248320; M = 1, 2, 4, 8 rows by default (--rows: up to 32).
 
 Timing as bench_kernels.py: CUDA events around CUDA-graph replays of a chain of `--chain` calls,
 median of >= 50 replays, divided by the chain length. The calls of a chain cycle through enough
@@ -83,8 +83,9 @@ def main() -> None:
     args = parser.parse_args()
     assert extension_loaded(), "build deltaserve._C first (pip install -e .)"
     rows = [int(r) for r in args.rows.split(",")]
-    # the kernel is opt-in in the engine (ops/linear.py); here it is what is measured
-    linear_ops.GEMV_MAX_ROWS = linear_ops.KERNEL_MAX_ROWS
+    # the kernel at every row count on every grid, whatever the engine's dispatch (ops/linear.py
+    # keeps grids wider than a wave to WIDE_MAX_ROWS rows): here it is what is measured
+    linear_ops.GEMV_MAX_ROWS = linear_ops.WIDE_MAX_ROWS = linear_ops.KERNEL_MAX_ROWS
     dtype = getattr(torch, args.dtype)
     t0 = time.time()
     copy = copy_bandwidth()
