@@ -78,14 +78,16 @@ if has abext; then
   for arm in ${ABDEF:-ref new}; do i=$((i + 1)); ab_run "$arm" "abdef_${arm}$i" --model default; done
   use_ext new
 fi
-# same-call A/B of the gemv row limit: the 0.8B config's step figures (batch 1 and 32) with
-# DS_GEMV_MAX_ROWS set to each of $ROWSAB_ARMS in turn (8: the kernel up to 8 rows, cuBLAS
-# above; "ref": the extension of csrc hash $REF_EXT with 8)
+# same-call A/B of the gemv row limits: the 0.8B config's step figures (batches $ROWSAB_B) for
+# each arm of $ROWSAB_ARMS in turn, an arm "R" or "R-W" or "R-W-V": DS_GEMV_MAX_ROWS=R (8: the
+# kernel up to 8 rows, cuBLAS above), DS_GEMV_WIDE_MAX_ROWS=W, DS_GEMV_VARIANT=V (e.g.
+# "32-32-7": every grid up to 32 rows, the register path past 8 rows); "ref": the extension of
+# csrc hash $REF_EXT with 8 rows
 if has rowsab; then
   i=0; for arm in ${ROWSAB_ARMS:-8 32 8 32}; do
-    i=$((i + 1)); rows=$arm
+    i=$((i + 1)); IFS=- read -r rows wide var <<< "$arm"
     if [ "$arm" = ref ]; then use_ext ref; rows=8; else use_ext new; fi
-    DS_GEMV_MAX_ROWS=$rows TAILN=${ROWSAB_TAIL:-4} run "rows${arm}_$i" 120 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --step-batches ${ROWSAB_B:-1,32} --out "$LOGS/rows${arm}_$i.json"
+    DS_GEMV_MAX_ROWS=$rows DS_GEMV_WIDE_MAX_ROWS=${wide:-} DS_GEMV_VARIANT=${var:-} TAILN=${ROWSAB_TAIL:-4} run "rows${arm}_$i" 120 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --step-batches ${ROWSAB_B:-1,32} --out "$LOGS/rows${arm}_$i.json"
   done
   use_ext new
 fi

@@ -228,8 +228,10 @@ inline bool gemv_args_ok(const GemvParams& p) {
 }
 
 // DS_GEMV_VARIANT (A/B runs): bit 1 = the copied-tile kernel (kSmemW) where it fits, bit 2 =
-// the dependents triggered before the wait instead of after the first loads. The default, 3
-// (both), took 2-3% off the 0.8B config's batch-1 step against 0 (the tile in registers
+// the dependents triggered before the wait instead of after the first loads, bit 4 = the
+// register path for more than 8 rows whatever bit 1 says (a guess to measure: with no tile in
+// shared memory, L1 keeps the whole of x for the blocks of an SM). The default, 3 (bits 1 and
+// 2), took 2-3% off the 0.8B config's batch-1 step against 0 (the tile in registers
 // everywhere) in two same-call A/Bs on H100s (docs/kernels.md).
 constexpr int kDefaultGemvVariant = 3;
 inline int gemv_variant() {
@@ -294,7 +296,9 @@ inline ds_error_t launch_gemv_with(GemvParams p, const typename Pro::Params& pro
   const int64_t partials =  // the static part[][][] sums
       int64_t(warps) * kWarp * 2 * (Pro::kStaged ? 1 : x_rows_per_lane(p.M)) * 4;
   const int64_t block_smem = smem + partials + 1024;  // + what the runtime reserves a block
-  if ((p.variant & 1) && smem + partials <= per_block && want * block_smem <= per_sm)
+  const bool rows_in_registers = (p.variant & 4) && !Pro::kStaged && x_rows_per_lane(p.M) > 1;
+  if ((p.variant & 1) && !rows_in_registers && smem + partials <= per_block &&
+      want * block_smem <= per_sm)
     return launch_gemv_rows<T, Pro, true>(p, pro, blocks, warps, stream);
   return launch_gemv_rows<T, Pro, false>(p, pro, blocks, warps, stream);
 }

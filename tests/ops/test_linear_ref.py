@@ -58,6 +58,13 @@ def test_the_kernel_is_on_by_default_on_cuda_and_off_on_rocm():
     assert linear_ops._max_rows_from_env("0") == 0
 
 
+@pytest.mark.parametrize("value,rows", [(None, 8), ("", 8), ("0", 0), ("16", 16), ("32", 32)])
+def test_wide_max_rows_env_sets_the_wide_grid_row_limit(value, rows):
+    assert linear_ops._wide_max_rows_from_env(value) == rows
+    with pytest.raises(ValueError, match="DS_GEMV_WIDE_MAX_ROWS"):
+        linear_ops._wide_max_rows_from_env("33")
+
+
 @pytest.mark.parametrize("value", ["33", "-1", "four", "2.5"])
 def test_max_rows_env_refuses_values_outside_0_to_32(value):
     with pytest.raises(ValueError, match="DS_GEMV_MAX_ROWS"):

@@ -29,8 +29,9 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 # hidden-wide outputs, out_proj / o_proj / down_proj, one 16-warp block an SM reading x once).
 # Wider grids re-read x per block: on an H100 (bench_linear, session 43) in_proj ran 0.92x of
 # cuBLAS at 16 rows and 0.55x at 32, the LM head 0.91x / 0.57x, the 1024-column ones 1.39-1.57x
-# at 16 and 1.13x at 32. So wider grids keep this limit.
-WIDE_MAX_ROWS = 8
+# at 16 and 1.13x at 32. So wider grids keep this limit (DS_GEMV_WIDE_MAX_ROWS=0..32 overrides,
+# for A/B runs; read at import).
+DEFAULT_WIDE_MAX_ROWS = 8
 EMULATED_MULTIPROCESSORS = 132  # csrc/kernels/compat.cuh: the emulator reports an H100's SMs
 # On by default on CUDA: on the H200 (2026-12-04) its 661 GPU test cases passed, and the 0.8B
 # config's batch-1 decode went from 440 to 680 tok/s with it (benchmarks/RESULTS.md; cuBLAS runs
@@ -46,8 +47,16 @@ def _max_rows_from_env(value: str | None, default: int = DEFAULT_MAX_ROWS) -> in
     return _ext.count_from_env("DS_GEMV_MAX_ROWS", default, KERNEL_MAX_ROWS, value or "")
 
 
-# Read once at import (A/B runs set it before starting the process); 0 disables the kernel.
+def _wide_max_rows_from_env(value: str | None) -> int:
+    """DS_GEMV_WIDE_MAX_ROWS: rows up to which grids of more blocks than multiprocessors take
+    the kernel, 0 .. 32; unset: DEFAULT_WIDE_MAX_ROWS."""
+    return _ext.count_from_env("DS_GEMV_WIDE_MAX_ROWS", DEFAULT_WIDE_MAX_ROWS, KERNEL_MAX_ROWS,
+                               value or "")
+
+
+# Read once at import (A/B runs set them before starting the process); 0 disables the kernel.
 GEMV_MAX_ROWS = _max_rows_from_env(os.environ.get("DS_GEMV_MAX_ROWS"))
+WIDE_MAX_ROWS = _wide_max_rows_from_env(os.environ.get("DS_GEMV_WIDE_MAX_ROWS"))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
