@@ -29,6 +29,7 @@ from deltaserve.ops import linear as linear_ops
 
 PROLOGUE_MAX_ROWS = 8  # csrc/kernels/gemv.cuh, kMaxStagedRows
 STAGE_ELEMS = 8192 + 8 * PROLOGUE_MAX_ROWS  # csrc/kernels/gemv.cuh, kStageElems
+LOOP_STAGE_ELEMS = 96 * 1024  # csrc/kernels/gemv_loop.cuh, kLoopStageElems (with LOOP_ON)
 MAX_NORM_ROW = 4096  # elements of a norm row the prologue takes (128 threads x 4 x 8)
 PROLOGUE_ON = _ext.count_from_env("DS_GEMV_PROLOGUE", 1, 1) == 1
 
@@ -46,8 +47,10 @@ def _kernel_fits(x: torch.Tensor, m: int, k: int, weight: torch.Tensor,
     """The gemv prologue kernels take these: gemv's own conditions for M rows of K
     (`linear.gemv_fits`, cheapest first: a prefill or CPU call leaves at once) and the stage's
     size."""
-    return (PROLOGUE_ON and m <= PROLOGUE_MAX_ROWS and m * (k + 8) <= STAGE_ELEMS
-            and weight.dim() == 2
+    staged = m * (k + 8)
+    fits = (m <= PROLOGUE_MAX_ROWS and staged <= STAGE_ELEMS) or (
+        linear_ops.LOOP_ON and m <= linear_ops.KERNEL_MAX_ROWS and staged <= LOOP_STAGE_ELEMS)
+    return (PROLOGUE_ON and fits and weight.dim() == 2
             and weight.shape[1] == k and linear_ops.gemv_fits(m, x.dtype, weight, bias, x, *inputs))
 
 
