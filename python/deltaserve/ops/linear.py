@@ -107,10 +107,9 @@ def gemv_fits(rows: int, dtype: torch.dtype, weight: torch.Tensor, bias: torch.T
               *inputs: torch.Tensor) -> bool:
     """The gemv kernel's conditions on everything but x's layout: 1 .. GEMV_MAX_ROWS rows (at
     most WIDE_MAX_ROWS where N / 8 > the device's multiprocessors, unless LOOP_ON), a kernel
-    dtype shared by
-    the weight (and bias), K % 8 == 0, a contiguous 16-byte-aligned weight, every tensor
-    (`inputs`: what x is read from) on the extension's device. Cheapest checks first: prefill
-    and CPU calls leave at once (ops/prologue.py calls it per layer)."""
+    dtype shared by the weight (and bias), K % 8 == 0, a contiguous 16-byte-aligned weight,
+    every tensor (`inputs`: what x is read from) on the extension's device. Cheapest checks
+    first: prefill and CPU calls leave at once (ops/prologue.py calls it per layer)."""
     k = weight.shape[1]
     return (0 < rows <= GEMV_MAX_ROWS and dtype in KERNEL_DTYPES and k % 8 == 0
             and (rows <= WIDE_MAX_ROWS or LOOP_ON

@@ -15,7 +15,8 @@ Contract: `project(w, b)` is bitwise `linear(materialize(), w, b)` wherever both
 extension's kernels (same x bits, same products in the same order), so whether a call fits the
 fused kernel never changes a result. Fits: CUDA, bf16 / fp16, M = 1 .. PROLOGUE_MAX_ROWS (8)
 rows within gemv's own limits (ops/linear.py), M * (K + 8) <= 8,256 elements (the kernel's
-shared-memory stage), views that allow 16-byte accesses, norm rows of at most 4,096 elements.
+shared-memory stage; with the looped kernel on, `linear.LOOP_ON`, also up to 32 rows and
+98,304 elements), views that allow 16-byte accesses, norm rows of at most 4,096 elements.
 DS_GEMV_PROLOGUE=0 turns the fused kernels off (A/B runs), as DS_GEMV_MAX_ROWS=0 turns off gemv
 itself.
 """
