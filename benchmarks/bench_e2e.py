@@ -219,7 +219,7 @@ def step_figures(llm: LLM, vocab: int, n_params: int,
                  batches: tuple[int, ...] = (1, 32)) -> dict:
     """Kernels per decode step and host gap at batch 1 as configured (overlap scheduling on
     unless --disable-overlap-schedule), then host gap and decode tok/s beside the graph's
-    device-bound tok/s with overlap on and off at batch 1 and 32 (step_kernels.py), with the
+    device-bound tok/s with overlap on and off at each of `batches` (step_kernels.py), with the
     weight-read roofline of a batch-1 step (bf16 weights once / 4,274 GB/s)."""
     eng = llm.engine
     out = kernels_per_step(eng, vocab)

@@ -113,9 +113,13 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
   const int lane = static_cast<int>(threadIdx.x) % kWarp, g = lane / 4, t = lane % 4;
   const int tiles = static_cast<int>(ceil_div(p.N, kTileCols));
   const int step = kLoop ? static_cast<int>(gridDim.x) : tiles;  // one tile a block unless kLoop
+  // weight rows (columns of y) of tile `at`: 8, fewer in the last tile
+  const auto rows_of = [&](int at) {
+    return p.N - at * kTileCols < kTileCols ? p.N - at * kTileCols : kTileCols;
+  };
   int tile_at = static_cast<int>(blockIdx.x);  // the tile (8 columns) the block is on
   int n0 = tile_at * kTileCols;
-  int tile_rows = p.N - n0 < kTileCols ? p.N - n0 : kTileCols;
+  int tile_rows = rows_of(tile_at);
   bool w_ok = g < tile_rows;  // a tile past the last column reads zeros
   const int ld = stage_ld(p.K);
   const int chunks = static_cast<int>(ceil_div(p.K, kChunk));
@@ -125,10 +129,8 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
   T* const staged = reinterpret_cast<T*>(smem + tile_smem(p.K, kSmemW));
   const auto first_row = [&](int n) { return static_cast<const T*>(p.w) + int64_t(n) * p.K; };
   const auto prefetch_tile = [&](int at) {  // thread 0: tile `at`'s rows into L2, if it exists
-    if (at < tiles) {
-      const int rows = p.N - at * kTileCols < kTileCols ? p.N - at * kTileCols : kTileCols;
-      prefetch_l2_bulk(first_row(at * kTileCols), static_cast<uint32_t>(rows * p.K * 2));
-    }
+    if (at < tiles)
+      prefetch_l2_bulk(first_row(at * kTileCols), static_cast<uint32_t>(rows_of(at) * p.K * 2));
   };
   const T* const wfirst_row = first_row(n0);
   const TileCopy tile{reinterpret_cast<const unsigned char*>(wfirst_row), smem,
@@ -139,7 +141,7 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
     tile_copy_start(tile);
     if (p.variant & 2) launch_dependents();
   } else if (threadIdx.x == 0) {
-    prefetch_l2_bulk(wfirst_row, static_cast<uint32_t>(tile_rows * p.K * 2));
+    prefetch_tile(tile_at);
     if constexpr (kLoop) prefetch_tile(tile_at + step);
   }
   grid_dependency_wait();  // x (or what the prologue makes it from) comes from the kernel before
@@ -230,7 +232,7 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
     if (tile_at >= tiles) break;
     __syncthreads();  // every thread has read part[] before the next tile's sums overwrite it
     n0 = tile_at * kTileCols;
-    tile_rows = p.N - n0 < kTileCols ? p.N - n0 : kTileCols;
+    tile_rows = rows_of(tile_at);
     w_ok = g < tile_rows;
     wrow = first_row(n0) + int64_t(w_ok ? g : 0) * p.K + 8 * t;
     if (threadIdx.x == 0) prefetch_tile(tile_at + step);
