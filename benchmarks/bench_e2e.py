@@ -99,6 +99,9 @@ def main() -> None:
     ap.add_argument("--config", default=None, choices=e2e_configs.CONFIGS,
                     help="a named MoE config with dummy weights (benchmarks/e2e_configs.py); "
                          "--layers cuts it, figures beside their rooflines")
+    ap.add_argument("--reserve-gb", type=float, default=12.0, help="--config: GiB kept for "
+                    "activations and graphs; the KV pool gets what the weights and states leave")
+    ap.add_argument("--snapshot-slots", type=int, default=32, help="--config: GDN snapshot slots")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=None, help="default 24 (--config: all)")
     ap.add_argument("--vocab", type=int, default=151936)
@@ -134,7 +137,8 @@ def main() -> None:
                       chunk_size=8192, max_num_batched_tokens=8192, max_running_reqs=64)
         if args.config is not None:
             args.vocab = e2e_configs.write_config(path, args.config, args.layers)["vocab_size"]
-            kwargs = e2e_configs.engine_kwargs(path)
+            kwargs = e2e_configs.engine_kwargs(path, reserve_gb=args.reserve_gb,
+                                               snapshot_slots=args.snapshot_slots)
             args.hidden = 0  # the config's own
         elif args.model is None:
             args.layers = args.layers or 24

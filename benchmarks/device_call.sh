@@ -154,7 +154,9 @@ if has ttftab; then
 fi
 has ttftcostsdef && TAILN=20 run ttftcostsdef 150 python3 benchmarks/probe_ttft_costs.py --model default --out "$LOGS/ttft_costs_def.json"
 has moebench && TAILN=20 run moebench 90 python3 benchmarks/bench_moe.py --out "$LOGS/moe.json"
-has moe35 && TAILN=25 run moe35 ${MOE_T:-300} python3 benchmarks/bench_e2e.py --config qwen3.6-35b-a3b --out "$LOGS/moe35.json"
+# $MOE_ARGS: e.g. "--reserve-gb 6 --snapshot-slots 4" (the 35B-A3B weights on an 80 GB H100)
+# shellcheck disable=SC2086  # a flag list
+has moe35 && TAILN=${MOE_TAIL:-25} run moe35 ${MOE_T:-300} python3 benchmarks/bench_e2e.py --config qwen3.6-35b-a3b ${MOE_ARGS:-} --out "$LOGS/moe35.json"
 has long && TAILN=10 run long 150 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --out "$LOGS/long.json"
 # issue 28: the paged attention kernels once per arm of $ATTN_ARMS: "ref" (the extension of
 # csrc hash $REF_EXT, carried in build/ext_cache) or a number (this tree's, with

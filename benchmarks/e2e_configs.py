@@ -129,11 +129,13 @@ def rooflines(model, prefill_tokens: int, ttft_tokens: int) -> dict[str, float]:
     return out
 
 
-def engine_kwargs(folder: str | Path, max_running_reqs: int = 32,
-                  reserve_gb: float = 12.0) -> dict:
+def engine_kwargs(folder: str | Path, max_running_reqs: int = 32, reserve_gb: float = 12.0,
+                  snapshot_slots: int = 32) -> dict:
     """LLM(...) keywords for a dummy-weight run on the current GPU: bf16, the state pool for
-    `max_running_reqs` requests (+ as many snapshot slots), and the KV budget from what is
-    left after the weights, the state pool and `reserve_gb` for activations and graphs."""
+    `max_running_reqs` requests and `snapshot_slots` snapshots, and the KV budget from what is
+    left after the weights, the state pool and `reserve_gb` GiB for activations and graphs
+    (the 35B-A3B config fits an 80 GB H100 with 4 snapshot slots and 6 GiB reserved).
+    Raises ValueError when less than 1 GiB is left."""
     from deltaserve.model.config import ModelConfig
     from deltaserve.model.qwen3_5 import Model
 
@@ -141,15 +143,16 @@ def engine_kwargs(folder: str | Path, max_running_reqs: int = 32,
     with torch.device("meta"):
         model = Model(config, num_mtp_layers=0).to(torch.bfloat16)
     weights = sum(p.numel() * 2 for p in model.parameters())
-    slots = 1 + 3 * max_running_reqs
+    slots = 1 + 2 * max_running_reqs + snapshot_slots  # preflight.MemoryPlan's count
     free, _ = torch.cuda.mem_get_info()
     left = free - weights - slots * state_bytes_per_request(model) - reserve_gb * 2**30
     if left < 2**30:
         raise ValueError(f"{weights / 1e9:.1f} GB of weights leave {left / 2**30:.1f} GiB for "
-                         "the KV pool on this GPU: pass fewer --layers")
+                         "the KV pool on this GPU: pass fewer --layers, or a smaller "
+                         "--reserve-gb / --snapshot-slots")
     return dict(load_format="dummy", device="cuda", dtype="bfloat16", page_size=16,
                 chunk_size=8192, max_num_batched_tokens=8192, max_running_reqs=max_running_reqs,
-                num_snapshot_slots=max_running_reqs, kv_memory_gb=left / 2**30)
+                num_snapshot_slots=snapshot_slots, kv_memory_gb=left / 2**30)
 
 
 def report(res: dict) -> None:
