@@ -25,7 +25,6 @@ cat > "$WORK/all_kernels.cu" <<'CU'
 #include "kernels/snapshot_copy.cuh"
 #include "kernels/fused.cuh"
 #include "kernels/gemv.cuh"
-#include "kernels/gemv_loop.cuh"
 #include "kernels/gemv_prologue.cuh"
 #include "kernels/moe_experts.cuh"
 
@@ -82,8 +81,6 @@ void instantiate_all() {
   ds::gemv::GemvParams gv{};
   (void)ds::gemv::launch_gemv<ds::bf16>(gv, nullptr);
   (void)ds::gemv::launch_gemv<ds::f16>(gv, nullptr);
-  (void)ds::gemv::launch_gemv_plain<ds::bf16>(gv, nullptr);
-  (void)ds::gemv::launch_gemv_plain<ds::f16>(gv, nullptr);
   ds::fused::GateParams gg{};
   ds::fused::NormParams gn{};
   (void)ds::gemv::launch_gemv_gate<ds::bf16, ds::fused::Gate::kSiluMul>(gv, gg, nullptr);

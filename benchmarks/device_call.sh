@@ -48,8 +48,6 @@ run() {  # name timeout cmd...
   echo "== $name rc=$rc $((SECONDS - t))s"; tail -${TAILN:-6} "$LOGS/$name.log"
   collect "$name" "$rc" "$((SECONDS - t))"
 }
-# the looped gemv past 8 rows (DS_GEMV_VARIANT bit 8, off by default): its GPU tests
-has looptest && DS_GEMV_VARIANT=11 TAILN=8 run looptest ${LOOPTEST_T:-200} python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_linear_gpu.py tests/ops/test_prologue_gpu.py -k "looped or model_shapes or captures or row_bits or 2048"
 has gemvtest && run gemvtest 70 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/ops/test_linear_gpu.py
 # the gemv GPU tests with DS_GEMV_VARIANT=$SMEM_VARIANT: 1 (default here: the copied tile, whose
 # results the default 3 shares: bit 2 moves only when the next kernel launches), 0 (registers)

@@ -97,42 +97,26 @@ DS_HOST_DEVICE constexpr int64_t dynamic_smem(int M, int K, bool smem_w, bool st
 // kernel that writes x: the weight stream overlaps that kernel's tail, the launch and the
 // prologue, and no register holds a weight load in flight. Else the tile is prefetched into L2
 // by one bulk request, and the warps load it into registers after the prologue.
-// XR: rows of x a lane loads (1, 2 or 4: M <= 8, 16 or 32). kLoop (gemv_loop.cuh): the block
-// stages x once (a prologue's, or CopyPrologue's copy of x), then walks the tiles blockIdx.x,
-// + gridDim.x, ... with the weights in registers, each tile's L2 prefetch one tile ahead.
-template <typename T, int WARPS, class Pro, bool kSmemW, int XR, bool kLoop = false>
+// XR: rows of x a lane loads (1, 2 or 4: M <= 8, 16 or 32).
+template <typename T, int WARPS, class Pro, bool kSmemW, int XR>
 __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
                                                              const typename Pro::Params pro) {
   static_assert(sizeof(T) == 2, "16-bit operands (the MMA's)");
   static_assert(XR == 1 || XR == 2 || XR == 4, "8, 16 or 32 rows of x");
-  static_assert(!Pro::kStaged || XR == 1 || kLoop, "one tile a block stages at most 8 rows");
-  static_assert(!kLoop || (Pro::kStaged && !kSmemW), "the loop reads a staged x, its weights "
-                                                     "through registers");
+  static_assert(!Pro::kStaged || XR == 1, "a prologue stages at most kMaxStagedRows rows");
   constexpr int kGroups = XR == 1 ? 1 : XR / 2;  // MMAs per weight register (16 rows each)
   const int warp = static_cast<int>(threadIdx.x) / kWarp;
   const int lane = static_cast<int>(threadIdx.x) % kWarp, g = lane / 4, t = lane % 4;
-  const int tiles = static_cast<int>(ceil_div(p.N, kTileCols));
-  const int step = kLoop ? static_cast<int>(gridDim.x) : tiles;  // one tile a block unless kLoop
-  // weight rows (columns of y) of tile `at`: 8, fewer in the last tile
-  const auto rows_of = [&](int at) {
-    return p.N - at * kTileCols < kTileCols ? p.N - at * kTileCols : kTileCols;
-  };
-  int tile_at = static_cast<int>(blockIdx.x);  // the tile (8 columns) the block is on
-  int n0 = tile_at * kTileCols;
-  int tile_rows = rows_of(tile_at);
-  bool w_ok = g < tile_rows;  // a tile past the last column reads zeros
+  const int n0 = static_cast<int>(blockIdx.x) * kTileCols;
+  const int tile_rows = p.N - n0 < kTileCols ? p.N - n0 : kTileCols;
+  const bool w_ok = g < tile_rows;  // a tile past the last column reads zeros
   const int ld = stage_ld(p.K);
   const int chunks = static_cast<int>(ceil_div(p.K, kChunk));
 
   DS_DYNAMIC_SHARED(smem);
   T* const wtile = reinterpret_cast<T*>(smem);
   T* const staged = reinterpret_cast<T*>(smem + tile_smem(p.K, kSmemW));
-  const auto first_row = [&](int n) { return static_cast<const T*>(p.w) + int64_t(n) * p.K; };
-  const auto prefetch_tile = [&](int at) {  // thread 0: tile `at`'s rows into L2, if it exists
-    if (at < tiles)
-      prefetch_l2_bulk(first_row(at * kTileCols), static_cast<uint32_t>(rows_of(at) * p.K * 2));
-  };
-  const T* const wfirst_row = first_row(n0);
+  const T* const wfirst_row = static_cast<const T*>(p.w) + int64_t(n0) * p.K;
   const TileCopy tile{reinterpret_cast<const unsigned char*>(wfirst_row), smem,
                       int64_t(p.K) * 2, ld * 2, tile_rows, p.K * 2,
                       reinterpret_cast<uint64_t*>(
@@ -141,8 +125,7 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
     tile_copy_start(tile);
     if (p.variant & 2) launch_dependents();
   } else if (threadIdx.x == 0) {
-    prefetch_tile(tile_at);
-    if constexpr (kLoop) prefetch_tile(tile_at + step);
+    prefetch_l2_bulk(wfirst_row, static_cast<uint32_t>(tile_rows * p.K * 2));
   }
   grid_dependency_wait();  // x (or what the prologue makes it from) comes from the kernel before
 
@@ -180,63 +163,51 @@ __global__ void __launch_bounds__(WARPS * kWarp) gemv_kernel(const GemvParams p,
     xrow[i] = Pro::kStaged ? staged + (x_ok[i] ? r : 0) * ld + 8 * t
                            : static_cast<const T*>(p.x) + (x_ok[i] ? r : 0) * p.ldx + 8 * t;
   }
-  for (;;) {  // the block's tiles: one unless kLoop
-    float d[kGroups][4] = {};
-    for (int base = warp; base < chunks; base += kUnroll * WARPS) {
-      if (base != warp) load_round(base);
-      const int k0 = base * kChunk + 8 * t;
+  float d[kGroups][4] = {};
+  for (int base = warp; base < chunks; base += kUnroll * WARPS) {
+    if (base != warp) load_round(base);
+    const int k0 = base * kChunk + 8 * t;
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * WARPS >= chunks) break;  // warp-uniform: every lane runs each MMA
-        const bool k_in = k0 + u * WARPS * kChunk < p.K;
-        uint4 xv[XR];
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * WARPS >= chunks) break;  // warp-uniform: every lane runs each MMA
+      const bool k_in = k0 + u * WARPS * kChunk < p.K;
+      uint4 xv[XR];
 #pragma unroll
-        for (int i = 0; i < XR; ++i)
-          xv[i] = x_ok[i] && k_in ? load16(xrow[i] + int64_t(base) * kChunk + u * WARPS * kChunk)
-                                  : zero;
-        const uint32_t b0[2] = {wv[u].x, wv[u].y}, b1[2] = {wv[u].z, wv[u].w};
+      for (int i = 0; i < XR; ++i)
+        xv[i] = x_ok[i] && k_in ? load16(xrow[i] + int64_t(base) * kChunk + u * WARPS * kChunk)
+                                : zero;
+      const uint32_t b0[2] = {wv[u].x, wv[u].y}, b1[2] = {wv[u].z, wv[u].w};
 #pragma unroll
-        for (int j = 0; j < kGroups; ++j) {  // rows 16 j + g (register 0, 2), + 8 (1, 3)
-          const uint4 lo = xv[XR == 1 ? 0 : 2 * j], hi = XR == 1 ? zero : xv[2 * j + 1];
-          const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y}, a1[4] = {lo.z, hi.z, lo.w, hi.w};
-          mma_16816<T>(d[j], a0, b0);
-          mma_16816<T>(d[j], a1, b1);
-        }
+      for (int j = 0; j < kGroups; ++j) {  // rows 16 j + g (register 0, 2), + 8 (1, 3)
+        const uint4 lo = xv[XR == 1 ? 0 : 2 * j], hi = XR == 1 ? zero : xv[2 * j + 1];
+        const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y}, a1[4] = {lo.z, hi.z, lo.w, hi.w};
+        mma_16816<T>(d[j], a0, b0);
+        mma_16816<T>(d[j], a1, b1);
       }
     }
+  }
 
-    // d[j][2 h + c] = this warp's part of y[g + 8 (2 j + h)][n0 + 2t + c], kept at
-    // part[warp][lane][2 i + c] for x row i = 2 j + h; summed over the warps in warp order (fixed:
-    // the same bits on every run).
-    __shared__ float part[WARPS][kWarp][2 * XR];
+  // d[j][2 h + c] = this warp's part of y[g + 8 (2 j + h)][n0 + 2t + c], kept at
+  // part[warp][lane][2 i + c] for x row i = 2 j + h; summed over the warps in warp order (fixed:
+  // the same bits on every run).
+  __shared__ float part[WARPS][kWarp][2 * XR];
 #pragma unroll
-    for (int i = 0; i < XR; ++i) {
-      part[warp][lane][2 * i] = d[i / 2][2 * (i % 2)];
-      part[warp][lane][2 * i + 1] = d[i / 2][2 * (i % 2) + 1];
-    }
-    __syncthreads();
-    for (int out = static_cast<int>(threadIdx.x); out < 8 * XR * kTileCols; out += WARPS * kWarp) {
-      const int m = out / kTileCols, j = out % kTileCols, col = n0 + j;
-      if (m < p.M && col < p.N) {
-        // lane g = m % 8, t = j / 2 holds column j of row m in its x row i = m / 8, word j % 2
-        const int src = (m % 8) * 4 + j / 2, e = 2 * (m / 8) + j % 2;
-        float s = part[0][src][e];
+  for (int i = 0; i < XR; ++i) {
+    part[warp][lane][2 * i] = d[i / 2][2 * (i % 2)];
+    part[warp][lane][2 * i + 1] = d[i / 2][2 * (i % 2) + 1];
+  }
+  __syncthreads();
+  for (int out = static_cast<int>(threadIdx.x); out < 8 * XR * kTileCols; out += WARPS * kWarp) {
+    const int m = out / kTileCols, j = out % kTileCols, col = n0 + j;
+    if (m < p.M && col < p.N) {
+      // lane g = m % 8, t = j / 2 holds column j of row m in its x row i = m / 8, word j % 2
+      const int src = (m % 8) * 4 + j / 2, e = 2 * (m / 8) + j % 2;
+      float s = part[0][src][e];
 #pragma unroll
-        for (int w = 1; w < WARPS; ++w) s = fadd(s, part[w][src][e]);
-        if (p.bias != nullptr) s = fadd(s, to_float(static_cast<const T*>(p.bias)[col]));
-        static_cast<T*>(p.y)[int64_t(m) * p.N + col] = from_float<T>(s);
-      }
+      for (int w = 1; w < WARPS; ++w) s = fadd(s, part[w][src][e]);
+      if (p.bias != nullptr) s = fadd(s, to_float(static_cast<const T*>(p.bias)[col]));
+      static_cast<T*>(p.y)[int64_t(m) * p.N + col] = from_float<T>(s);
     }
-    if constexpr (!kLoop) break;
-    tile_at += step;
-    if (tile_at >= tiles) break;
-    __syncthreads();  // every thread has read part[] before the next tile's sums overwrite it
-    n0 = tile_at * kTileCols;
-    tile_rows = rows_of(tile_at);
-    w_ok = g < tile_rows;
-    wrow = first_row(n0) + int64_t(w_ok ? g : 0) * p.K + 8 * t;
-    if (threadIdx.x == 0) prefetch_tile(tile_at + step);
-    load_round(warp);
   }
 }
 

@@ -11,14 +11,13 @@
 // the stand-alone kernels run, so x holds the same bits as their output, and the main loop
 // (gemv.cuh) multiplies the same values in the same order: y is bitwise the unfused pair's.
 // Block 0 alone writes the sum s of add_rms_norm (every block reads residual and h, never s).
-// x must fit a stage (prologue_fits: M <= kMaxStagedRows and M * (K + 8) <= kStageElems, or the
-// looped kernel's) and the views 16-byte accesses; norm rows take at most 128 threads (D <= 4096
-// 16-bit elements). No allocation, no host synchronisation.
+// x must fit the stage (M <= kMaxStagedRows, M * (K + 8) <= kStageElems) and the views 16-byte
+// accesses; norm rows take at most 128 threads (D <= 4096 16-bit elements). No allocation, no
+// host synchronisation.
 #pragma once
 
 #include "fused.cuh"
 #include "gemv.cuh"
-#include "gemv_loop.cuh"
 
 namespace ds {
 namespace gemv {
@@ -80,39 +79,26 @@ inline int prologue_norm_threads(int D, int elem_bytes) {
   return tpr <= 128 ? tpr : 0;
 }
 
-// Where x fits a prologue: one tile a block (up to 8 rows, the stage of kStageElems) or, with
-// the looped kernel on (gemv_loop.cuh), up to 32 rows in its larger stage.
-inline bool prologue_fits(int M, int K) {
-  return (M <= kMaxStagedRows && stage_fits(M, K)) || (loop_on() && loop_fits(M, K));
-}
-
-// gemv_kernel with prologue Pro: one tile a block where x fits its stage, else the looped kernel.
-template <typename T, class Pro>
-inline ds_error_t launch_gemv_pro(const GemvParams& p, const typename Pro::Params& pro,
-                                  ds_stream_t stream) {
-  if (p.M <= kMaxStagedRows && stage_fits(p.M, p.K))
-    return launch_gemv_with<T, Pro>(p, pro, stream);
-  return launch_gemv_loop<T, Pro>(p, pro, stream);
-}
-
 template <typename T, fused::Gate G>
 inline ds_error_t launch_gemv_gate(const GemvParams& p, const fused::GateParams& pro,
                                    ds_stream_t stream) {
-  if (!gemv_args_ok(p) || !prologue_fits(p.M, p.K) || pro.T != p.M || pro.cols != p.K)
+  if (!gemv_args_ok(p) || p.M > kMaxStagedRows || !stage_fits(p.M, p.K) || pro.T != p.M ||
+      pro.cols != p.K)
     return DS_ERROR_INVALID_VALUE;
-  return launch_gemv_pro<T, GatePrologue<G>>(p, pro, stream);
+  return launch_gemv_with<T, GatePrologue<G>>(p, pro, stream);
 }
 
 template <typename T, fused::Norm K>
 inline ds_error_t launch_gemv_norm(const GemvParams& p, const fused::NormParams& pro,
                                    ds_stream_t stream) {
-  if (!gemv_args_ok(p) || !prologue_fits(p.M, p.K) || pro.rows < p.M || pro.rows % p.M != 0 ||
+  if (!gemv_args_ok(p) || p.M > kMaxStagedRows || !stage_fits(p.M, p.K) || pro.rows < p.M ||
+      pro.rows % p.M != 0 ||
       int64_t(pro.rows / p.M) * pro.D != p.K)
     return DS_ERROR_INVALID_VALUE;
   switch (prologue_norm_threads(pro.D, sizeof(T))) {
-    case 16: return launch_gemv_pro<T, NormPrologue<K, 16>>(p, pro, stream);
-    case kWarp: return launch_gemv_pro<T, NormPrologue<K, kWarp>>(p, pro, stream);
-    case 128: return launch_gemv_pro<T, NormPrologue<K, 128>>(p, pro, stream);
+    case 16: return launch_gemv_with<T, NormPrologue<K, 16>>(p, pro, stream);
+    case kWarp: return launch_gemv_with<T, NormPrologue<K, kWarp>>(p, pro, stream);
+    case 128: return launch_gemv_with<T, NormPrologue<K, 128>>(p, pro, stream);
     default: return DS_ERROR_INVALID_VALUE;
   }
 }

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "../kernels/gemv_loop.cuh"
+#include "../kernels/gemv.cuh"
 #include "common.h"
 #include "gemv_args.h"
 #include "library.h"
@@ -28,7 +28,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight,
   p.x = x.data_ptr();
   p.ldx = m == 1 ? k : x.stride(0);
   DS_DISPATCH_HALF(x.scalar_type(), "gemv", [&] {
-    check_launch(ds::gemv::launch_gemv_plain<scalar_t>(p, stream_of(x)), "gemv");
+    check_launch(ds::gemv::launch_gemv<scalar_t>(p, stream_of(x)), "gemv");
   });
   return y;
 }

@@ -25,7 +25,8 @@ using ds::fused::Norm;
 
 void check_stage(int64_t m, int64_t k, bool vec, const char* op) {
   TORCH_CHECK(vec, "deltaserve: ", op, ": the inputs must allow 16-byte accesses");
-  TORCH_CHECK(ds::gemv::prologue_fits(static_cast<int>(m), static_cast<int>(k)),
+  TORCH_CHECK(m <= ds::gemv::kMaxStagedRows && ds::gemv::stage_fits(static_cast<int>(m),
+                                                              static_cast<int>(k)),
               "deltaserve: ", op, ": the input is too large for the kernel's stage");
 }
 

@@ -61,9 +61,7 @@ def test_emulated_gemv_with_16_8_and_4_warp_blocks_matches(emu_all_grids, m, n, 
 @pytest.mark.parametrize("m,n,kernel", [(8, 2113, True), (9, 2113, False), (32, 1057, False),
                                         (9, 1056, True), (32, 1056, True)])
 def test_more_than_8_rows_take_the_kernel_only_on_one_wave_grids(emu, m, n, kernel):
-    # the emulator reports 132 multiprocessors: N <= 1056 is one block of 8 columns an SM (with
-    # the looped kernel on, wider grids take it too)
-    kernel = kernel or linear_ops.LOOP_ON
+    # the emulator reports 132 multiprocessors: N <= 1056 is one block of 8 columns an SM
     gen = torch.Generator().manual_seed(m + n)
     x, w, b = operands(m, n, 16, torch.bfloat16, gen, bias=False)
     y = linear_ops.linear(x, w, b)
@@ -95,25 +93,6 @@ def test_emulated_gemv_row_bits_do_not_depend_on_the_rows_beside_it(emu, m):
     y = linear_ops.linear(x, w, b)
     for rows in (slice(0, 1), slice(0, 8), slice(m - 9, m)):
         assert torch.equal(y[rows], linear_ops.linear(x[rows], w, b))
-
-
-needs_loop = pytest.mark.skipif(not linear_ops.LOOP_ON, reason="the looped kernel is off: .ci/run "
-                                "runs this file again with DS_GEMV_VARIANT=11 (bit 8 on)")
-
-
-# 138 tiles: one a block; 538 and 1057 tiles over 264 blocks (two a multiprocessor): 2-5 a block
-@needs_loop
-@pytest.mark.parametrize("m,n,k", [(9, 1100, 64), (16, 4300, 40), (32, 4300, 264), (17, 8449, 16),
-                                   (32, 1100, 8)])
-def test_emulated_looped_gemv_matches_past_8_rows_on_wide_grids(emu, m, n, k):
-    gen = torch.Generator().manual_seed(m * n + k)
-    x, w, b = operands(m, n, k, torch.bfloat16, gen, bias=True)
-    y = linear_ops.linear(x, w, b)
-    assert emu.calls == 1
-    assert_matches_fp64(y, x, w, b)
-    xs = torch.randn(m, k + 16, generator=gen).to(torch.bfloat16)[:, 8:k + 8]  # strided rows
-    assert_matches_fp64(linear_ops.linear(xs, w), xs, w, None)
-    assert torch.equal(linear_ops.linear(x, w, b), y)  # the same bits again
 
 
 def test_emulated_gemv_gives_the_same_bits_on_every_call(emu):

@@ -54,41 +54,25 @@ def test_emulated_add_rms_norm_with_128_thread_rows_and_several_rows_a_block(emu
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_inputs_past_the_stage_take_the_unfused_pair(emu, kind):
-    # 8 x (1056 + 8) > 8256; the looped kernel's stage (bit 8 of DS_GEMV_VARIANT) holds 98,304
-    m, k_shape = (32, (4, 800)) if linear_ops.LOOP_ON else (8, (4, 264))
     gen = torch.Generator().manual_seed(3)
-    inp, w, b = make(kind, m, k_shape, 16, torch.bfloat16, gen)
+    inp, w, b = make(kind, 8, (4, 264), 16, torch.bfloat16, gen)  # 8 x (1056 + 8) > 8256
     assert inp._fused(w, b) is None
     y = linear_ops.linear(inp, w, b)
     assert emu.by_op.get(f"{kind}_gemv", 0) == 0
-    fresh, _, _ = make(kind, m, k_shape, 16, torch.bfloat16, torch.Generator().manual_seed(3))
+    fresh, _, _ = make(kind, 8, (4, 264), 16, torch.bfloat16, torch.Generator().manual_seed(3))
     assert torch.equal(y, linear_ops.linear(fresh.materialize(), w, b))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_more_rows_than_a_prologue_stages_take_the_unfused_pair_through_gemv(emu, kind):
     # 9 rows of a small K fit the stage's elements but not its 8 rows: op, then plain gemv
-    # (with the looped kernel on, its stage takes them: the fused op, the same bits)
     gen = torch.Generator().manual_seed(5)
     inp, w, b = make(kind, 9, (1, 32), 16, torch.bfloat16, gen)
+    assert inp._fused(w, b) is None
     y = linear_ops.linear(inp, w, b)
-    fused = emu.by_op.get(f"{kind}_gemv", 0)
-    assert (fused, emu.by_op.get("gemv", 0)) == ((1, 0) if linear_ops.LOOP_ON else (0, 1))
+    assert emu.by_op.get(f"{kind}_gemv", 0) == 0 and emu.by_op["gemv"] == 1
     fresh, _, _ = make(kind, 9, (1, 32), 16, torch.bfloat16, torch.Generator().manual_seed(5))
     assert torch.equal(y, linear_ops.linear(fresh.materialize(), w, b))
-
-
-@pytest.mark.skipif(not linear_ops.LOOP_ON, reason="the looped kernel is off: .ci/run runs this "
-                    "file again with DS_GEMV_VARIANT=11 (bit 8 on)")
-@pytest.mark.parametrize("m", [16, 32])
-@pytest.mark.parametrize("kind", KINDS)
-def test_emulated_looped_prologue_equals_the_op_then_gemv_past_8_rows(emu, kind, m):
-    # N = 4300: 538 tiles over 264 blocks (several tiles a block), 24: one tile a block
-    for i, n in enumerate((24, 4300)):
-        gen = torch.Generator().manual_seed(10 * m + i)
-        inp, w, b = make(kind, m, (2, 32), n, torch.bfloat16, gen, bias=i == 1)
-        check(inp, w, b)
-    assert emu.by_op[f"{kind}_gemv"] >= 2
 
 
 def test_prologue_off_runs_the_pair(emu, monkeypatch):

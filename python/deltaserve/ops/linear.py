@@ -57,10 +57,6 @@ def _wide_max_rows_from_env(value: str | None) -> int:
 # Read once at import (A/B runs set them before starting the process); 0 disables the kernel.
 GEMV_MAX_ROWS = _max_rows_from_env(os.environ.get("DS_GEMV_MAX_ROWS"))
 WIDE_MAX_ROWS = _wide_max_rows_from_env(os.environ.get("DS_GEMV_WIDE_MAX_ROWS"))
-# Bit 8 of DS_GEMV_VARIANT (csrc/kernels/gemv_loop.cuh, read there too): past 8 rows, grids
-# wider than a wave take the looped kernel (x staged once a block), whatever WIDE_MAX_ROWS says,
-# and prologues take up to 32 rows (ops/prologue.py). Off by default: not yet measured.
-LOOP_ON = bool(_ext.count_from_env("DS_GEMV_VARIANT", 3, 255) & 8)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -106,14 +102,13 @@ def _gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 def gemv_fits(rows: int, dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None,
               *inputs: torch.Tensor) -> bool:
     """The gemv kernel's conditions on everything but x's layout: 1 .. GEMV_MAX_ROWS rows (at
-    most WIDE_MAX_ROWS where N / 8 > the device's multiprocessors, unless LOOP_ON), a kernel
-    dtype shared by the weight (and bias), K % 8 == 0, a contiguous 16-byte-aligned weight,
-    every tensor (`inputs`: what x is read from) on the extension's device. Cheapest checks
-    first: prefill and CPU calls leave at once (ops/prologue.py calls it per layer)."""
+    most WIDE_MAX_ROWS where N / 8 > the device's multiprocessors), a kernel dtype shared by
+    the weight (and bias), K % 8 == 0, a contiguous 16-byte-aligned weight, every tensor
+    (`inputs`: what x is read from) on the extension's device. Cheapest checks first: prefill
+    and CPU calls leave at once (ops/prologue.py calls it per layer)."""
     k = weight.shape[1]
     return (0 < rows <= GEMV_MAX_ROWS and dtype in KERNEL_DTYPES and k % 8 == 0
-            and (rows <= WIDE_MAX_ROWS or LOOP_ON
-                 or weight.shape[0] <= 8 * _multiprocessors(weight))
+            and (rows <= WIDE_MAX_ROWS or weight.shape[0] <= 8 * _multiprocessors(weight))
             and weight.shape[0] > 0 and weight.dtype == dtype
             and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
             and weight.is_contiguous() and weight.data_ptr() % 16 == 0

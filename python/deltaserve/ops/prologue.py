@@ -15,8 +15,7 @@ Contract: `project(w, b)` is bitwise `linear(materialize(), w, b)` wherever both
 extension's kernels (same x bits, same products in the same order), so whether a call fits the
 fused kernel never changes a result. Fits: CUDA, bf16 / fp16, M = 1 .. PROLOGUE_MAX_ROWS (8)
 rows within gemv's own limits (ops/linear.py), M * (K + 8) <= 8,256 elements (the kernel's
-shared-memory stage; with the looped kernel on, `linear.LOOP_ON`, also up to 32 rows and
-98,304 elements), views that allow 16-byte accesses, norm rows of at most 4,096 elements.
+shared-memory stage), views that allow 16-byte accesses, norm rows of at most 4,096 elements.
 DS_GEMV_PROLOGUE=0 turns the fused kernels off (A/B runs), as DS_GEMV_MAX_ROWS=0 turns off gemv
 itself.
 """
@@ -30,7 +29,6 @@ from deltaserve.ops import linear as linear_ops
 
 PROLOGUE_MAX_ROWS = 8  # csrc/kernels/gemv.cuh, kMaxStagedRows
 STAGE_ELEMS = 8192 + 8 * PROLOGUE_MAX_ROWS  # csrc/kernels/gemv.cuh, kStageElems
-LOOP_STAGE_ELEMS = 96 * 1024  # csrc/kernels/gemv_loop.cuh, kLoopStageElems (with LOOP_ON)
 MAX_NORM_ROW = 4096  # elements of a norm row the prologue takes (128 threads x 4 x 8)
 PROLOGUE_ON = _ext.count_from_env("DS_GEMV_PROLOGUE", 1, 1) == 1
 
@@ -48,10 +46,8 @@ def _kernel_fits(x: torch.Tensor, m: int, k: int, weight: torch.Tensor,
     """The gemv prologue kernels take these: gemv's own conditions for M rows of K
     (`linear.gemv_fits`, cheapest first: a prefill or CPU call leaves at once) and the stage's
     size."""
-    staged = m * (k + 8)
-    fits = (m <= PROLOGUE_MAX_ROWS and staged <= STAGE_ELEMS) or (
-        linear_ops.LOOP_ON and m <= linear_ops.KERNEL_MAX_ROWS and staged <= LOOP_STAGE_ELEMS)
-    return (PROLOGUE_ON and fits and weight.dim() == 2
+    return (PROLOGUE_ON and m <= PROLOGUE_MAX_ROWS and m * (k + 8) <= STAGE_ELEMS
+            and weight.dim() == 2
             and weight.shape[1] == k and linear_ops.gemv_fits(m, x.dtype, weight, bias, x, *inputs))
 
 
