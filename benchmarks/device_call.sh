@@ -82,11 +82,11 @@ fi
 # each arm of $ROWSAB_ARMS in turn, an arm "R" or "R-W" or "R-W-V": DS_GEMV_MAX_ROWS=R (8: the
 # kernel up to 8 rows, cuBLAS above), DS_GEMV_WIDE_MAX_ROWS=W, DS_GEMV_VARIANT=V (e.g.
 # "32-32-7": every grid up to 32 rows, the register path past 8 rows); "ref": the extension of
-# csrc hash $REF_EXT with 8 rows
+# csrc hash $REF_EXT with $REF_ROWS rows (default 8)
 if has rowsab; then
   i=0; for arm in ${ROWSAB_ARMS:-8 32 8 32}; do
     i=$((i + 1)); IFS=- read -r rows wide var <<< "$arm"
-    if [ "$arm" = ref ]; then use_ext ref; rows=8; else use_ext new; fi
+    if [ "$arm" = ref ]; then use_ext ref; rows=${REF_ROWS:-8}; else use_ext new; fi
     DS_GEMV_MAX_ROWS=$rows DS_GEMV_WIDE_MAX_ROWS=${wide:-} DS_GEMV_VARIANT=${var:-} TAILN=${ROWSAB_TAIL:-4} run "rows${arm}_$i" 120 python3 benchmarks/bench_e2e.py --vocab 248320 --step-only --step-batches ${ROWSAB_B:-1,32} --out "$LOGS/rows${arm}_$i.json"
   done
   use_ext new
@@ -154,6 +154,8 @@ has ttftcostsdef && TAILN=20 run ttftcostsdef 150 python3 benchmarks/probe_ttft_
 has moebench && TAILN=20 run moebench 90 python3 benchmarks/bench_moe.py --out "$LOGS/moe.json"
 # $MOE_ARGS: e.g. "--reserve-gb 6 --snapshot-slots 4" (the 35B-A3B weights on an 80 GB H100)
 # shellcheck disable=SC2086  # a flag list
+# Qwen3-Next-80B-A3B's first $NEXT_LAYERS layers (all 48 need two H200s in bf16)
+has next80 && TAILN=25 run next80 ${NEXT_T:-200} python3 benchmarks/bench_e2e.py --config qwen3-next-80b-a3b --layers ${NEXT_LAYERS:-12} --out "$LOGS/next80.json"
 has moe35 && TAILN=${MOE_TAIL:-25} run moe35 ${MOE_T:-300} python3 benchmarks/bench_e2e.py --config qwen3.6-35b-a3b ${MOE_ARGS:-} --out "$LOGS/moe35.json"
 has long && TAILN=10 run long 150 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --out "$LOGS/long.json"
 # issue 28: the paged attention kernels once per arm of $ATTN_ARMS: "ref" (the extension of
