@@ -129,3 +129,34 @@ def test_a_pool_that_cannot_hold_a_two_token_request_is_refused_at_startup(tmp_p
     with pytest.raises(ValueError, match="cannot hold even a 2-token request"):
         LLM(path, device="cpu", dtype="float32", num_pages=2, page_size=1,
             speculative_algorithm="ngram", speculative_num_steps=3)
+
+
+def test_a_small_snapshot_pool_never_lowers_how_many_requests_run_at_once(tmp_path):
+    # 1 + 2 x 4 + 0 slots: each 128-token prompt wants a live slot and track slots at depths
+    # 64 and 128. Admission that waited for track slots ran these 4 requests 2 at a time (on
+    # the 35B-A3B config, 4 snapshot slots held a batch of 32 at 23). Track snapshots are a
+    # cache: a request reserves what is left beside a live slot for each request that could
+    # still join, so the first ones keep their depths and the last ones run without.
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0)
+    kwargs = dict(device="cpu", dtype="float32", page_size=16, num_pages=128)
+    llm = LLM(str(path), max_running_reqs=4, num_snapshot_slots=0, **kwargs)
+    cold = LLM(str(path), enable_prefix_cache=False, **kwargs)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(500) for _ in range(128)] for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    eng = llm.engine
+    rids = [eng.add_request(p, params) for p in prompts]
+    out: dict[int, list[int]] = {}
+    most = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.setdefault(o.rid, []).extend(o.new_token_ids)
+        most = max(most, len(eng.scheduler.running))
+    assert most == 4
+    for rid, p in zip(rids, prompts):
+        assert out[rid] == cold.generate([p], params)[0].token_ids
+    # the first request kept its track snapshot at its prompt's end: a follow-up resumes there
+    (again,) = llm.generate([prompts[0] + out[rids[0]] + [7]], params)
+    assert again.cached_tokens == 128
+    assert again.token_ids == cold.generate([prompts[0] + out[rids[0]] + [7]], params)[0].token_ids
+    assert_drained(eng)

@@ -158,13 +158,19 @@ class Scheduler:
 
     def _plan(self, req: Req) -> tuple[PrefixMatch | None, list[int]] | None:
         """The prefix match `req` resumes from (locked) and the track depths to reserve, or
-        None when it must wait for running requests to free memory.
+        None when it must wait for running requests to free memory (its pages or a live
+        slot).
 
-        With nothing running, waiting would be for ever (nothing frees a slot), and the
-        locked match's path may hold every snapshot slot there is (a small
-        --num-snapshot-slots): then the track snapshots are given up, and if even the live
-        slot cannot be had, the match too (unlocked, its snapshots become evictable; check_fits
-        guarantees the pages of a cold start).
+        Track snapshots are a cache and never make a request wait: a request reserves only
+        the slots left beside its live slot and a live slot for each request that could still
+        join the running batch (--max-running-reqs), the deepest depths first (with none, it
+        leaves no snapshot at its prompt's end). With the default pool (2 snapshot slots a
+        running request) every request gets all of its depths. Waiting for them held a batch
+        of 32 at 23 running requests on the 35B-A3B config with 4 snapshot slots (batch 32
+        decode 1,493 against 2,134 tok/s with 32 slots, H200). With nothing running and no
+        slot at all, the locked match's path holds every slot there is: the match is given up
+        (unlocked, its snapshots become evictable; check_fits guarantees the pages of a cold
+        start).
         """
         match = self.cache.match(req.prompt_ids) if self.cfg.enable_prefix_cache else None
         if match:
@@ -174,16 +180,14 @@ class Scheduler:
         avail_pages = (self.page_pool.num_free + self.cache.evictable_pages()
                        - self.reserved_pages())
         avail_slots = self.snaps.available_slots()
-        if need_pages <= avail_pages and 1 + len(depths) <= avail_slots:
-            return match, depths
-        if self.running or need_pages > avail_pages:
-            if match:
-                self.cache.unlock(match.node)
-            return None
-        if avail_slots >= 1:
-            return match, []
+        if need_pages <= avail_pages and avail_slots >= 1:
+            others = max(0, self.cfg.max_running_reqs - len(self.running) - 1)
+            spare = min(len(depths), max(0, avail_slots - 1 - others))
+            return match, depths[len(depths) - spare:]
         if match:
             self.cache.unlock(match.node)
+        if self.running or need_pages > avail_pages:
+            return None
         return None, []
 
     def ensure_pages(self, req: Req, n_tokens: int) -> None:

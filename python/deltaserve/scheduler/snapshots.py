@@ -7,7 +7,9 @@ to the prefix cache together when the request is released:
 
 - **Track snapshots** at the prompt's last grid boundary B (and at B - G when B == prompt_len:
   a resent identical prompt recomputes its last token, so it can only resume below B). Their
-  slots are reserved at admission, which waits until they can be had: guaranteed. A chunk that
+  slots are reserved at admission, the deepest that fit beside the live slot (with the
+  default pool, all of them; a small --num-snapshot-slots never makes a request wait for
+  them: scheduler._plan). A chunk that
   ends at a track depth copies the live state there; a chunk that runs past one
   (`in_forward`, the default) has the forward write the state at that depth into the track
   slot itself (Batch.tracks: the GDN backend splits the request's recurrence there, the conv
