@@ -165,9 +165,11 @@ class Scheduler:
         the slots left beside its live slot and a live slot for each request that could still
         join the running batch (--max-running-reqs), the deepest depths first (with none, it
         leaves no snapshot at its prompt's end). With the default pool (2 snapshot slots a
-        running request) every request gets all of its depths. Waiting for them held a batch
-        of 32 at 23 running requests on the 35B-A3B config with 4 snapshot slots (batch 32
-        decode 1,493 against 2,134 tok/s with 32 slots, H200). With nothing running and no
+        running request) every request gets all of its depths. Waiting for them capped the
+        running batch at the slots over 3 (a 128-token prompt takes a live slot and 2 track
+        slots): on the 35B-A3B config with 4 snapshot slots, about 22 of 32, the likely cause
+        of its batch-32 decode at 1,493 against 2,134 tok/s with 32 slots (H200). With nothing
+        running and no
         slot at all, the locked match's path holds every slot there is: the match is given up
         (unlocked, its snapshots become evictable; check_fits guarantees the pages of a cold
         start).
