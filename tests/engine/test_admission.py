@@ -160,3 +160,33 @@ def test_a_small_snapshot_pool_never_lowers_how_many_requests_run_at_once(tmp_pa
     assert again.cached_tokens == 128
     assert again.token_ids == cold.generate([prompts[0] + out[rids[0]] + [7]], params)[0].token_ids
     assert_drained(eng)
+
+
+def test_a_request_that_fits_passes_one_waiting_for_pages_but_never_starves_it(tmp_path):
+    # 19 usable pages of 16 tokens: A and B reserve 14 each (16 + 200 tokens), so B waits for
+    # A; the small C1..C3 (2 pages each) fit beside A. They may pass B max_running_reqs (2)
+    # times while it waits, then the queue waits for B: admission order A, C1, C2, B, C3.
+    # (FIFO alone held every small request behind B: n = 128 samples of 32,000 tokens held a
+    # 16-token request for minutes, a fresh user's finding.)
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3_5_text", seed=0)
+    kwargs = dict(device="cpu", dtype="float32", page_size=16, enable_prefix_cache=False)
+    llm = LLM(str(path), num_pages=20, max_running_reqs=2, **kwargs)
+    cold = LLM(str(path), **kwargs)
+    rng = random.Random(2)
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    asks = [(name, [rng.randrange(500) for _ in range(16)], params)
+            for name, params in (("A", long), ("B", long), ("C1", short), ("C2", short),
+                                 ("C3", short))]
+    eng = llm.engine
+    names = {eng.add_request(p, params): name for name, p, params in asks}
+    order: list[str] = []
+    out: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.setdefault(names[o.rid], []).extend(o.new_token_ids)
+        order += [names[r.rid] for r in eng.scheduler.running if names[r.rid] not in order]
+    assert order == ["A", "C1", "C2", "B", "C3"]
+    for name, p, params in asks:
+        assert out[name] == cold.generate([p], params)[0].token_ids, name
+    assert_drained(eng)

@@ -3,7 +3,9 @@
 Memory rule: a request is admitted only when the pages it may still need (up to `max_len`
 plus the extra rows of a verify step) fit in free + evictable pages minus what running
 requests have reserved, and its slots are taken at admission. So a running request never
-waits for memory and nothing is preempted; requests that cannot fit wait in FIFO order.
+waits for memory and nothing is preempted; requests that cannot fit wait in FIFO order, except
+that younger ones that fit may pass the oldest, at most max_running_reqs times while it waits
+(`admit`).
 
 Snapshots (snapshots.py): the state at the prompt's last grid boundary B (a multiple of
 G = lcm(snapshot_grid, page_size), B <= prompt_len) goes to a track slot reserved at admission
@@ -32,17 +34,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from deltaserve.core import Batch, FinishReason, Phase, Req, ReqStatus
+from deltaserve.scheduler.admission import Admission
 from deltaserve.scheduler.snapshots import PrefillSnapshots
 
 if TYPE_CHECKING:
     from deltaserve.cache.page_pool import PagePool
-    from deltaserve.cache.prefix_cache import PrefixCache, PrefixMatch
+    from deltaserve.cache.prefix_cache import PrefixCache
     from deltaserve.cache.state_pool import GDNStatePool
     from deltaserve.config import EngineConfig
 
 
-class Scheduler:
-    """Owns the waiting queue, the running set and every request's pages and slots."""
+class Scheduler(Admission):
+    """Owns the waiting queue, the running set and every request's pages and slots (sizing and
+    admission: admission.py)."""
 
     def __init__(self, cfg: EngineConfig, page_pool: PagePool, state_pool: GDNStatePool,
                  cache: PrefixCache, eos_ids: set[int],
@@ -67,44 +71,7 @@ class Scheduler:
         self.hit_tokens = 0
         self.prompt_tokens = 0
         self._prefill_turn = False  # the last batch was a prefill batch
-
-    # ---- sizing -------------------------------------------------------------------------
-    def pages_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.page_size)
-
-    def pages_needed(self, req: Req) -> int:
-        """Pages covering every position `req` may write (max_len plus the verify rows)."""
-        return self.pages_for(req.max_len + self.extra_rows)
-
-    def max_request_len(self) -> int:
-        """The longest request (prompt + output tokens) the page pool can ever hold."""
-        return (self.page_pool.num_pages - 1) * self.page_size - self.extra_rows
-
-    def pool_hint(self) -> str:
-        """What enlarges the KV page pool, as the user sized it."""
-        return self.cfg.kv_pool_hint()
-
-    def check_fits(self, req: Req) -> None:
-        """Raise ValueError when `req` could never be admitted, even with an empty cache."""
-        usable = self.page_pool.num_pages - 1
-        rows = (f" + {self.extra_rows} speculative verify rows" if self.extra_rows else "")
-        # first word of each message: the request field to blame (the server's param); when the
-        # prompt and one output token already overflow, no max_tokens could help
-        least = self.pages_for(req.prompt_len + 1 + self.extra_rows)
-        if least > usable:
-            raise ValueError(
-                f"prompt of {req.prompt_len} tokens does not fit the KV pool: with one output "
-                f"token{rows} it needs {least} KV pages of {self.page_size} tokens but the pool "
-                f"has {usable}; shorten the prompt or {self.pool_hint()}")
-        if self.pages_needed(req) > usable:
-            raise ValueError(
-                f"max_tokens {req.params.max_tokens} does not fit the KV pool: the request "
-                f"needs {self.pages_needed(req)} KV pages of {self.page_size} tokens "
-                f"(prompt {req.prompt_len} + max_tokens {req.params.max_tokens}{rows}) but the "
-                f"pool has {usable}; lower max_tokens or {self.pool_hint()}")
-
-    def reserved_pages(self) -> int:
-        return sum(max(0, self.pages_needed(r) - len(r.page_table)) for r in self.running)
+        self._passed: tuple[int, int] = (-1, 0)  # (rid of the oldest waiting, times passed)
 
     # ---- queue --------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -127,81 +94,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
-
-    # ---- admission ----------------------------------------------------------------------
-    def admit(self) -> None:
-        """Admit waiting requests in FIFO order while they fit (the memory rule above): each
-        takes its live slot (restored from its prefix match, else zeroed), its track slots and
-        its matched pages, and joins `running` in prefill. Safe while an overlapped decode step
-        is in flight: slots and pages it writes are only ever handed out after their owner's
-        release, and every device write of a new owner is enqueued after that step."""
-        while self.waiting and len(self.running) < self.cfg.max_running_reqs:
-            req = self.waiting[0]
-            plan = self._plan(req)
-            if plan is None:
-                return
-            match, depths = plan
-            cached_len = match.cached_len if match else 0
-            self.waiting.popleft()
-            live = self.snaps.take_slot()  # may evict, but never the locked match
-            if match:  # from a device slot or the host bank; zeros on a miss
-                self.cache.restore(match, live)
-            else:
-                self.state_pool.zero(live)
-            self.snaps.reserve(req, depths)
-            req.admit(cached_len, live, list(match.pages) if match else [],
-                      match.node if match else None)
-            self.snaps.plan_fork(req, match.path_len if match else 0)
-            self.hit_tokens += cached_len
-            self.prompt_tokens += req.prompt_len
-            self.running.append(req)
-
-    def _plan(self, req: Req) -> tuple[PrefixMatch | None, list[int]] | None:
-        """The prefix match `req` resumes from (locked) and the track depths to reserve, or
-        None when it must wait for running requests to free memory (its pages or a live
-        slot).
-
-        Track snapshots are a cache and never make a request wait: a request reserves only
-        the slots left beside its live slot and a live slot for each request that could still
-        join the running batch (--max-running-reqs), the deepest depths first (with none, it
-        leaves no snapshot at its prompt's end). With the default pool (2 snapshot slots a
-        running request) every request gets all of its depths. Waiting for them capped the
-        running batch at the slots over 3 (a 128-token prompt takes a live slot and 2 track
-        slots): on the 35B-A3B config with 4 snapshot slots, about 22 of 32, the likely cause
-        of its batch-32 decode at 1,493 against 2,134 tok/s with 32 slots (H200). With nothing
-        running and no
-        slot at all, the locked match's path holds every slot there is: the match is given up
-        (unlocked, its snapshots become evictable; check_fits guarantees the pages of a cold
-        start).
-        """
-        match = self.cache.match(req.prompt_ids) if self.cfg.enable_prefix_cache else None
-        if match:
-            self.cache.lock(match.node)
-        depths = self.snaps.track_depths(req.prompt_len, match.cached_len if match else 0)
-        need_pages = self.pages_needed(req) - len(match.pages if match else [])
-        avail_pages = (self.page_pool.num_free + self.cache.evictable_pages()
-                       - self.reserved_pages())
-        avail_slots = self.snaps.available_slots()
-        if need_pages <= avail_pages and avail_slots >= 1:
-            others = max(0, self.cfg.max_running_reqs - len(self.running) - 1)
-            spare = min(len(depths), max(0, avail_slots - 1 - others))
-            return match, depths[len(depths) - spare:]
-        if match:
-            self.cache.unlock(match.node)
-        if self.running or need_pages > avail_pages:
-            return None
-        return None, []
-
-    def ensure_pages(self, req: Req, n_tokens: int) -> None:
-        """Give `req` the pages covering positions [0, n_tokens) (free ones, else evicted
-        from the prefix cache); within what admission reserved for it."""
-        need = self.pages_for(n_tokens) - len(req.page_table)
-        if need <= 0:
-            return
-        short = need - self.page_pool.num_free
-        if short > 0:
-            self.cache.evict(n_pages=short)
-        req.page_table.extend(self.page_pool.allocate(need))
 
     # ---- batches ------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
