@@ -34,6 +34,7 @@ class Admission:
     hit_tokens: int
     prompt_tokens: int
     _passed: tuple[int, int]
+    _no_fit: tuple[int, ...] | None
 
     # ---- sizing -------------------------------------------------------------------------
     def pages_for(self, n_tokens: int) -> int:
@@ -116,6 +117,12 @@ class Admission:
             return 0, None
         # a request needs at least its pages past a fully cached prompt: skip the rest cheaply
         free = self.page_pool.num_free + self.cache.evictable_pages() - self.reserved_pages()
+        # a decode step's pages come out of the reserve, so `free` moves only with admission,
+        # release and the cache: while nothing moved, the last scan's answer stands
+        state = (rid, self.waiting[-1].rid, len(self.waiting), len(self.running), free,
+                 self.state_pool.num_free)
+        if state == self._no_fit:
+            return 0, None
         tries = 8  # full plans (prefix matches) a call may make
         for at in range(1, len(self.waiting)):
             req = self.waiting[at]
@@ -128,6 +135,7 @@ class Admission:
             tries -= 1
             if not tries:
                 break
+        self._no_fit = state
         return 0, None
 
     def _plan(self, req: Req) -> tuple[PrefixMatch | None, list[int]] | None:

@@ -72,6 +72,7 @@ class Scheduler(Admission):
         self.prompt_tokens = 0
         self._prefill_turn = False  # the last batch was a prefill batch
         self._passed: tuple[int, int] = (-1, 0)  # (rid of the oldest waiting, times passed)
+        self._no_fit: tuple[int, ...] | None = None  # admission.py: the last fruitless scan
 
     # ---- queue --------------------------------------------------------------------------
     def add(self, req: Req) -> None:
