@@ -152,10 +152,10 @@ if has ttftab; then
 fi
 has ttftcostsdef && TAILN=20 run ttftcostsdef 150 python3 benchmarks/probe_ttft_costs.py --model default --out "$LOGS/ttft_costs_def.json"
 has moebench && TAILN=20 run moebench 90 python3 benchmarks/bench_moe.py --out "$LOGS/moe.json"
-# $MOE_ARGS: e.g. "--reserve-gb 6 --snapshot-slots 4" (the 35B-A3B weights on an 80 GB H100)
-# shellcheck disable=SC2086  # a flag list
 # Qwen3-Next-80B-A3B's first $NEXT_LAYERS layers (all 48 need two H200s in bf16)
 has next80 && TAILN=25 run next80 ${NEXT_T:-200} python3 benchmarks/bench_e2e.py --config qwen3-next-80b-a3b --layers ${NEXT_LAYERS:-12} --out "$LOGS/next80.json"
+# $MOE_ARGS: e.g. "--reserve-gb 6 --snapshot-slots 4" (the 35B-A3B weights on an 80 GB H100)
+# shellcheck disable=SC2086  # a flag list
 has moe35 && TAILN=${MOE_TAIL:-25} run moe35 ${MOE_T:-300} python3 benchmarks/bench_e2e.py --config qwen3.6-35b-a3b ${MOE_ARGS:-} --out "$LOGS/moe35.json"
 has long && TAILN=10 run long 150 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --out "$LOGS/long.json"
 # issue 28: the paged attention kernels once per arm of $ATTN_ARMS: "ref" (the extension of

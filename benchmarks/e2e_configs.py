@@ -136,6 +136,8 @@ def engine_kwargs(folder: str | Path, max_running_reqs: int = 32, reserve_gb: fl
     left after the weights, the state pool and `reserve_gb` GiB for activations and graphs
     (the 35B-A3B config fits an 80 GB H100 with 4 snapshot slots and 6 GiB reserved).
     Raises ValueError when less than 1 GiB is left."""
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine.preflight import plan_caches
     from deltaserve.model.config import ModelConfig
     from deltaserve.model.qwen3_5 import Model
 
@@ -143,9 +145,12 @@ def engine_kwargs(folder: str | Path, max_running_reqs: int = 32, reserve_gb: fl
     with torch.device("meta"):
         model = Model(config, num_mtp_layers=0).to(torch.bfloat16)
     weights = sum(p.numel() * 2 for p in model.parameters())
-    slots = 1 + 2 * max_running_reqs + snapshot_slots  # preflight.MemoryPlan's count
+    # the engine's own sizing of the GDN state pool (the KV pool left out: num_pages=2)
+    states = plan_caches(EngineConfig(max_running_reqs=max_running_reqs, num_pages=2,
+                                      num_snapshot_slots=snapshot_slots),
+                         config, 1, torch.bfloat16).state_bytes
     free, _ = torch.cuda.mem_get_info()
-    left = free - weights - slots * state_bytes_per_request(model) - reserve_gb * 2**30
+    left = free - weights - states - reserve_gb * 2**30
     if left < 2**30:
         raise ValueError(f"{weights / 1e9:.1f} GB of weights leave {left / 2**30:.1f} GiB for "
                          "the KV pool on this GPU: pass fewer --layers, or a smaller "

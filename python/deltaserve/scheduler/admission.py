@@ -74,6 +74,10 @@ class Admission:
     def reserved_pages(self) -> int:
         return sum(max(0, self.pages_needed(r) - len(r.page_table)) for r in self.running)
 
+    def free_pages(self) -> int:
+        """Pages a newly admitted request may take: free + evictable - reserved."""
+        return self.page_pool.num_free + self.cache.evictable_pages() - self.reserved_pages()
+
     # ---- admission ----------------------------------------------------------------------
     def admit(self) -> None:
         """Admit waiting requests in FIFO order while they fit (the memory rule above): each
@@ -116,7 +120,7 @@ class Admission:
         if passed >= self.cfg.max_running_reqs:
             return 0, None
         # a request needs at least its pages past a fully cached prompt: skip the rest cheaply
-        free = self.page_pool.num_free + self.cache.evictable_pages() - self.reserved_pages()
+        free = self.free_pages()
         # a decode step's pages come out of the reserve, so `free` moves only with admission,
         # release and the cache: while nothing moved, the last scan's answer stands
         state = (rid, self.waiting[-1].rid, len(self.waiting), len(self.running), free,
@@ -154,8 +158,7 @@ class Admission:
             self.cache.lock(match.node)
         depths = self.snaps.track_depths(req.prompt_len, match.cached_len if match else 0)
         need_pages = self.pages_needed(req) - len(match.pages if match else [])
-        avail_pages = (self.page_pool.num_free + self.cache.evictable_pages()
-                       - self.reserved_pages())
+        avail_pages = self.free_pages()  # after the lock: the match's pages are not evictable
         avail_slots = self.snaps.available_slots()
         if need_pages <= avail_pages and avail_slots >= 1:
             others = max(0, self.cfg.max_running_reqs - len(self.running) - 1)
