@@ -179,8 +179,10 @@ def policy_view(policy, kinds: list[int], seconds: list[float]) -> dict:
     """What the adaptive policy saw in the timed runs: the median cost it was told of a verify
     and of a plain step (ms; a step right after the other kind included), the same over the
     steps that continued a run of their kind (what its medians keep) with their 90th
-    percentile, the mean length of each kind's runs, its kept medians per (batch bucket, k)
-    at the end (ms) and its running mean acceptance length; else {}."""
+    percentile, the mean length of each kind's runs, the switches (steps of the other kind than
+    the one before) and what the first step of a run cost (median ms, a switch's price), its
+    kept medians per (batch bucket, k) at the end (ms), its measured round-trip switch cost
+    per bucket (ms) and its running mean acceptance length; else {}."""
     if getattr(policy, "_medians", None) is None:
         return {}
 
@@ -198,7 +200,15 @@ def policy_view(policy, kinds: list[int], seconds: list[float]) -> dict:
         else:
             runs[bool(k)].append(1)
     kinds_named = (("verify", True), ("plain", False))
-    return {"policy_told_ms": {n: ms(pick(v, False)) for n, v in kinds_named},
+    first = {n: sorted(s for i, (k, s) in enumerate(zip(kinds, seconds))
+                       if i and bool(k) == v and bool(kinds[i - 1]) != v)
+             for n, v in kinds_named}
+    trips = {b: policy.switch_cost(b) for b, _ in sorted(policy._medians)}
+    return {"switches": sum(len(v) for v in first.values()),
+            "first_step_ms": {n: ms(v) for n, v in first.items()},
+            "policy_switch_cost_ms": {f"b{b}": round(t * 1e3, 4) for b, t in trips.items()
+                                      if t is not None},
+            "policy_told_ms": {n: ms(pick(v, False)) for n, v in kinds_named},
             "policy_told_continuing_ms": {n: [ms(pick(v, True)), ms(pick(v, True), 0.9)]
                                           for n, v in kinds_named},
             "mean_run_length": {n: round(sum(runs[v]) / len(runs[v]), 2) if runs[v] else None
@@ -411,7 +421,10 @@ def run(args: argparse.Namespace) -> None:
             print(f"timed run of {r['algo']} {r['policy']} batch {r['batch']}: {busy}")
         if r["policy"] != "fixed" and r.get("timed_verify_share") is not None:
             print(f"timed runs of {r['algo']} {r['policy']} batch {r['batch']}: "
-                  f"{r['timed_verify_share']:.0%} of decode steps verified")
+                  f"{r['timed_verify_share']:.0%} of decode steps verified, "
+                  f"{r.get('switches')} switches, first steps {r.get('first_step_ms')} ms "
+                  f"(in runs {r.get('policy_told_continuing_ms')}), policy's switch cost "
+                  f"{r.get('policy_switch_cost_ms')} ms")
         if r.get("chained_steps"):
             print(f"{r['algo']} {r['policy']} batch {r['batch']}: {r['chained_steps']} verify "
                   "steps chained (launched before the previous one landed), all runs")

@@ -18,7 +18,7 @@ from oracle import assert_same_runs, reference_greedy
 
 class _R:
     def __init__(self, rid: int) -> None:
-        self.rid = rid
+        self.rid, self.finished = rid, False
 
 
 def fed(policy: AdaptivePolicy, n: int, verify_s: float, decode_s: float) -> None:
@@ -149,7 +149,8 @@ def test_a_probe_that_pays_is_kept_and_the_interval_starts_again():
 @pytest.mark.parametrize("budget", [0.02, 0.05])
 def test_probes_of_a_losing_kind_cost_at_most_the_budget(budget):
     """Verify 3 s, decode 1 s, every verify commits 1 token: each probe loses 2 s against
-    plain decoding; over 3,000 steps the probes stay within the budget and still come."""
+    plain decoding (its first steps cost what steps in a run do: no switch cost); over 3,000
+    steps the probes stay within the budget and still come."""
     p = AdaptivePolicy(3, explore_every=4, smoothing=1.0, prior=1.0, probe_budget=budget)
     reqs = [_R(0)]
     fed(p, 1, verify_s=3.0, decode_s=1.0)
@@ -158,20 +159,24 @@ def test_probes_of_a_losing_kind_cost_at_most_the_budget(budget):
     spent = sum(3.0 if k else 1.0 for k in chosen)
     assert probes >= 3
     assert probes * (3.0 - 1.0) <= budget * spent
-    # the runs between probes: at least loss / (budget x decode) = (2 + 1) / budget steps
+    # the runs between probes: at least loss / (budget x decode) = 2 / budget steps
     at = [i for i, k in enumerate(chosen) if k]
-    assert min(b - a for a, b in zip(at, at[1:])) > 3 / budget
-    assert p.budget_interval(1) == math.ceil(3 / budget)
+    assert min(b - a for a, b in zip(at, at[1:])) >= 2 / budget
+    assert p.switch_cost(1) == 0.0
+    assert p.budget_interval(1) == math.ceil(2 / budget)
 
 
 def test_a_new_request_starts_from_the_running_mean_and_release_forgets_it():
-    p = AdaptivePolicy(3, prior=2.0, smoothing=1.0)
-    r = _R(7)
+    p = AdaptivePolicy(3, prior=2.0, smoothing=0.5)
+    r, other = _R(7), _R(8)
     assert p.acceptance(r) == 2.0
     p.on_verify([r], [4])
-    assert p.acceptance(r) == 4.0
+    assert p.acceptance(r) == 3.0 and p._global == 3.0
+    p.on_verify([other], [1])  # other starts from the mean 3.0, and the mean moves to 2.0
+    assert p.acceptance(other) == 2.0 and p._global == 2.0
+    assert p.acceptance(r) == 3.0
     p.release(r)
-    assert 2.0 < p.acceptance(r) < 4.0
+    assert p.acceptance(r) == 2.0
 
 
 def test_the_kept_mean_acceptance_follows_every_verify_release_and_batch():
@@ -298,3 +303,28 @@ def test_overlapped_plain_steps_between_verify_steps_keep_greedy_exact(ckpt, alg
     eng, _ = pattern_run(ckpt, algo, pattern, seed=6, overlapped=True)
     assert eng.overlap.overlapped_steps > 0
     assert eng.graphs.graph_steps > 0 and eng.spec_steps > 0
+
+
+def test_the_adaptive_policy_switching_often_on_the_overlapped_mtp_path_stays_exact(ckpt):
+    """Probes every 2 steps (so switches between overlapped plain steps and verify steps
+    all the time, both kinds' first steps told to the policy): greedy tokens equal plain
+    decoding's whatever the measured costs made it choose."""
+    batch = prompts(seed=8)
+    plain = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=16)
+    plain_outs = [o.token_ids for o in plain.generate(batch, GREEDY)]
+    spec = LLM(ckpt, device="cpu", dtype="float32", num_pages=512, page_size=16,
+               max_running_reqs=4, speculative_algorithm="mtp", speculative_num_steps=3)
+    eng = spec.engine
+    n = eng.cfg.max_running_reqs
+    eng.graphs = GraphRunner(eng.runner, n, 4, eng.max_model_len, capture=False)
+    eng.decode_graphs = GraphRunner(eng.runner, n, 1, eng.max_model_len, capture=False)
+    eng.spec.use_graphs(n, eng.max_model_len, capture=False)
+    policy = AdaptivePolicy(3, explore_every=2, max_explore_every=2, min_samples=1,
+                            probe_budget=0)
+    eng.policy, eng.scheduler.choose_drafts = policy, policy.choose
+    outs = spec.generate(batch, GREEDY)
+    for prompt, ours, ref_plain in zip(batch, outs, plain_outs):
+        ref = reference_greedy(ckpt, prompt, GREEDY.max_tokens)
+        assert_same_runs(ours.token_ids, ref_plain, ref, f"adaptive mtp len {len(prompt)}")
+    assert policy.switches >= 4 and eng.spec_steps > 0 and eng.overlap.overlapped_steps > 0
+    assert_drained(eng)

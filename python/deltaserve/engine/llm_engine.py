@@ -28,7 +28,7 @@ from deltaserve.engine.status import cache_status, check_integrity, engine_metri
 from deltaserve.model.config import ModelConfig
 from deltaserve.ops._ext import KERNEL_HEAD_DIMS
 from deltaserve.scheduler.scheduler import Scheduler
-from deltaserve.spec.policy import build_policy
+from deltaserve.spec.policy import StepClock, build_policy
 
 logger = logging.getLogger("deltaserve.engine")
 
@@ -133,6 +133,7 @@ class LLMEngine:
         self._reqs: dict[int, Req] = {}
         self.num_steps = 0
         self.generated_tokens = 0
+        self.step_clock = StepClock()  # each decode / verify step's cost for the policy
         self._grammar: GrammarBackend | None = None  # built by the first structured request
         self._healer: TokenHealer | None = None  # built by the first token-healing request
         self.forks = ForkGroups(self._queue)
@@ -257,7 +258,10 @@ class LLMEngine:
         if self.overlap is not None:
             return self.overlap.step()
         batch = self.scheduler.schedule()
-        return self.run_batch(batch) if batch is not None else self.flush_outputs()
+        if batch is None:
+            self.step_clock.reset()  # idle: the next step's cost starts at its own start
+            return self.flush_outputs()
+        return self.run_batch(batch)
 
     def run_batch(self, batch: Batch) -> list[RequestOutput]:
         """Run a scheduled batch synchronously (forward, grammar and healing masks, sampling,
@@ -297,8 +301,10 @@ class LLMEngine:
                 sampled.setdefault(req.rid, []).append(tok)
             self.scheduler.process(batch, sampled)
         self.num_steps += 1
-        if self.policy is not None and batch.phase is not Phase.PREFILL:
-            self.policy.on_step(batch.rows_per_req - 1, batch.size, time.perf_counter() - start)
+        if batch.phase is Phase.PREFILL:
+            self.step_clock.reset()
+        elif self.policy is not None:
+            self.policy.on_step(batch.rows_per_req - 1, batch.size, self.step_clock.landed(start))
         self.log_step(batch)
         new_by_rid = {r.rid: r.output_ids[before[r.rid]:] for r in batch.reqs}
         logprobs = step_logprobs(out.logits, out.owners, new_by_rid)

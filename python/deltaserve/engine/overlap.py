@@ -41,11 +41,11 @@ picks overlap the same way through the engine's decode graphs. A verify step ove
 with `--overlap-verify` (engine/overlap_verify.py: the next verify's positions and drafts come
 from the device); otherwise it runs synchronously. Before launching step n+1 the
 policy is asked (`choose` is pure): when it wants a verify, step n lands and the next call runs
-the verify synchronously. An overlapped step's wall period (from the later of its launch and
-the previous landing, to its landing) is its cost for the policy, so the policy weighs verify
-steps against decode steps as they really run. The proposer sees each overlapped step's hidden
-states at launch (`on_forward`, rows whose requests have `ahead` > 0: the MTP proposer defers
-their catch-up to the next verify instead of waiting for the GPU).
+the verify synchronously. Every decode or verify step's cost for the policy is its period from
+the previous one's landing to its own (spec/policy.py StepClock), so the policy weighs verify
+steps against decode steps as they really run, switches included. The proposer sees each
+overlapped step's hidden states at launch (`on_forward`, rows whose requests have `ahead` > 0:
+the MTP proposer defers their catch-up to the next verify instead of waiting for the GPU).
 
 Synchronous fallback (the in-flight step lands first; the next call runs today's step):
 prefill batches and admissions, verify steps, rows that need host data derived from the
@@ -113,7 +113,6 @@ class OverlapScheduler:
         self.launched_rows = 0
         self.overlapped_steps = 0
         self.discarded_rows = 0
-        self._landed_at = 0.0  # time.perf_counter() when the last step landed
         # verify steps launched ahead (overlap_verify.py)
         self.verify = VerifyOverlap(engine, self.commit_landed)
 
@@ -146,6 +145,7 @@ class OverlapScheduler:
                 return self._land(prev)
             batch = self.engine.scheduler.schedule()
             if batch is None:
+                self.engine.step_clock.reset()  # idle (spec/policy.py StepClock)
                 return self.engine.flush_outputs()
             if batch.phase is Phase.DECODE and self.active and self._can_launch(batch.reqs) \
                     and self.graphs.bucket(batch) is not None:
@@ -249,18 +249,17 @@ class OverlapScheduler:
         """A step of `batch` launched at `launched_at` (time.perf_counter()) landed with
         rows[i] the tokens of batch.reqs[i]: commit them (Scheduler.process; requests that
         finished before it landed are skipped), count and log the step, and return its
-        outputs. Its period (from the later of its launch and the previous landing of any
-        kind, to now) goes to the policy as its cost beside the other kind's."""
+        outputs. Its period (from the previous landing of a decode or verify step, or from
+        its launch after a prefill step, to now: StepClock) goes to the policy as its cost
+        beside the other kind's."""
         eng = self.engine
         live = [r for r in batch.reqs if not r.finished]
         before = {r.rid: len(r.output_ids) for r in live}
         sampled = {r.rid: row for r, row in zip(batch.reqs, rows) if not r.finished}
         eng.scheduler.process(batch, sampled, commit_rows)
         eng.num_steps += 1
-        now = time.perf_counter()
         if eng.policy is not None:
             eng.policy.on_step(batch.rows_per_req - 1, batch.size,
-                               now - max(launched_at, self._landed_at))
-        self._landed_at = now
+                               eng.step_clock.landed(launched_at))
         eng.log_step(batch)
         return eng.emit(live, {r.rid: r.output_ids[before[r.rid]:] for r in live})
