@@ -157,10 +157,10 @@ has next80 && TAILN=25 run next80 ${NEXT_T:-200} python3 benchmarks/bench_e2e.py
 # $MOE_ARGS: e.g. "--reserve-gb 6 --snapshot-slots 4" (the 35B-A3B weights on an 80 GB H100)
 # shellcheck disable=SC2086  # a flag list
 has moe35 && TAILN=${MOE_TAIL:-25} run moe35 ${MOE_T:-300} python3 benchmarks/bench_e2e.py --config qwen3.6-35b-a3b ${MOE_ARGS:-} --out "$LOGS/moe35.json"
-# once per value of DS_ATTN_STAGES in $LONG_STAGES ("auto": the launcher's choice; 0: the
-# register-prefetch kernel; 2..4: the staged kernel's ring)
-for st in ${LONG_STAGES:-auto}; do
-  [ "$st" = auto ] && sv= || sv=$st
+# once per value of DS_ATTN_STAGES in $LONG_STAGES ("default": unset; "auto": the most the
+# shared memory fits; 0: the register-prefetch kernel; 2..4: the staged kernel's ring)
+for st in ${LONG_STAGES:-default}; do
+  [ "$st" = default ] && sv= || sv=$st
   has long && DS_ATTN_STAGES=$sv TAILN=10 run "long_$st" 150 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --out "$LOGS/long_$st.json"
 done
 # issue 28: the paged attention kernels once per arm of $ATTN_ARMS: "ref" (the extension of

@@ -21,6 +21,8 @@
 // them.
 #pragma once
 
+#include <cstring>
+
 #include "compat.cuh"
 
 namespace ds {
@@ -594,11 +596,16 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, staged_min_blocks(D))
   rs.finish(p, red_s, w.n, w.h0, w.rows, w.split, w.count);
 }
 
-// Tiles in the staged kernel's ring for head dim D: DS_ATTN_STAGES (0: the register kernel;
-// 2..4, read at each call, for A/B runs), else the most of 3 and 2 whose shared memory fits a
-// block on this device (3 at D = 256 takes 109 KB: an H100/H200, not an RTX card's 99 KB, which
-// takes 2), else 0. 0 on HIP (gfx11 gives a block 64 KB; its kernels keep to static shared
-// memory) and where cp.async is missing the copies would be plain loads.
+// The kernel when DS_ATTN_STAGES is unset: 0, the register-prefetch kernel, until the staged
+// one has run on a GPU (-1 would pick it wherever it fits: "auto" below).
+constexpr int kDefaultStages = 0;
+
+// Tiles in the staged kernel's ring for head dim D: DS_ATTN_STAGES, read at each call (A/B
+// runs): 0 the register kernel; 2..4 that many (fewer where the shared memory does not fit);
+// "auto" the most of 3 and 2 whose shared memory fits a block on this device (3 at D = 256
+// takes 109 KB: an H100/H200, not an RTX card's 99 KB, which takes 2), else 0. Unset or
+// empty: kDefaultStages. 0 on HIP (gfx11 gives a block 64 KB; its kernels keep to static
+// shared memory) and where the kernel was built without cp.async (before sm_80).
 inline ds_error_t attention_stages(int D, int* out) {
   *out = 0;
 #if DS_HIP
@@ -606,7 +613,8 @@ inline ds_error_t attention_stages(int D, int* out) {
   return DS_SUCCESS;
 #else
   const char* env = std::getenv("DS_ATTN_STAGES");
-  const int want = env != nullptr && env[0] != '\0' ? atoi(env) : -1;  // unset or empty: auto
+  const bool unset = env == nullptr || env[0] == '\0';
+  const int want = unset ? kDefaultStages : (std::strcmp(env, "auto") == 0 ? -1 : atoi(env));
   if (want == 0) return DS_SUCCESS;
   int per_sm = 0, per_block = 0;
   const ds_error_t err = shared_memory_limits(&per_sm, &per_block);

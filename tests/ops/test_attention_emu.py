@@ -32,17 +32,26 @@ def _emulated(monkeypatch):
 
 
 # DS_ATTN_STAGES: "0" the register-prefetch kernel (HIP's), "2" / "4" the staged kernel's ring
-# of that many tiles, None the launcher's choice (3 tiles on the emulated H100's shared memory)
-STAGES = ["0", "2", "4", None]
+# of that many tiles, "auto" the most that fits (3 on the emulated H100's shared memory), None
+# unset (the launcher's default)
+STAGES = ["0", "2", "4", "auto", None]
 
 
-@pytest.fixture(params=STAGES, ids=lambda s: f"stages{s or 'auto'}")
-def stages(request, monkeypatch):
-    if request.param is None:
+def _set_stages(monkeypatch, stages: str | None) -> None:
+    if stages is None:
         monkeypatch.delenv("DS_ATTN_STAGES", raising=False)
     else:
-        monkeypatch.setenv("DS_ATTN_STAGES", request.param)
-    return request.param
+        monkeypatch.setenv("DS_ATTN_STAGES", stages)
+
+
+@pytest.fixture(params=STAGES, ids=lambda s: f"stages{s or 'unset'}")
+def stages(request, monkeypatch):
+    _set_stages(monkeypatch, request.param)
+
+
+@pytest.fixture(params=["0", "auto"], ids=lambda s: f"stages{s}")
+def both_kernels(request, monkeypatch):  # for the long cases: each kernel once
+    _set_stages(monkeypatch, request.param)
 
 
 CASES = [  # lens (0: padding), rows, hq, hkv, d, page_size
@@ -93,7 +102,7 @@ LONG_CASES = [  # lens, rows, hq, hkv, d, page_size, max_kv_len, dtype
 
 @pytest.mark.parametrize("lens,rows,hq,hkv,d,page_size,max_kv_len,dtype", LONG_CASES)
 def test_multi_tile_splits_match_the_reference(lens, rows, hq, hkv, d, page_size, max_kv_len,
-                                               dtype, stages):
+                                               dtype, both_kernels):
     q, kc, vc, table, kv_lens = paged_case(lens, rows, hq, hkv, d, page_size, dtype,
                                            q_scale=PEAK, seed=d)
     got = paged_attention(q, kc, vc, table, kv_lens, d ** -0.5, max_kv_len)
@@ -134,7 +143,8 @@ def test_kv_append_kernel_equals_the_reference_bit_for_bit():
 
 
 @pytest.mark.parametrize("min_split", ["64", "100", "128"])
-def test_a_longer_min_split_changes_the_plan_not_the_answer(min_split, monkeypatch):
+def test_a_longer_min_split_changes_the_plan_not_the_answer(min_split, both_kernels,
+                                                            monkeypatch):
     # DS_ATTN_MIN_SPLIT (rounded up to whole 32-position tiles): 300 positions in 3 .. 5 splits
     # of 2 .. 4 tiles instead of 10 of one, 40 in one split (no merge); verify rows, GQA 2
     monkeypatch.setenv("DS_ATTN_MIN_SPLIT", min_split)

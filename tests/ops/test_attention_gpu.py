@@ -30,19 +30,20 @@ def _extension_is_built():
 
 def _set_stages(monkeypatch, stages: str | None) -> None:
     """DS_ATTN_STAGES (read at each call): "0" the register-prefetch kernel, "2" / "4" the
-    staged kernel's ring of that many tiles, None the launcher's choice (3 on an H100/H200)."""
+    staged kernel's ring of that many tiles, "auto" the most that fits (3 on an H100/H200),
+    None unset (the launcher's default)."""
     if stages is None:
         monkeypatch.delenv("DS_ATTN_STAGES", raising=False)
     else:
         monkeypatch.setenv("DS_ATTN_STAGES", stages)
 
 
-@pytest.fixture(params=["0", "2", "4", None], ids=lambda s: f"stages{s or 'auto'}")
+@pytest.fixture(params=["0", "2", "4", "auto", None], ids=lambda s: f"stages{s or 'unset'}")
 def stages(request, monkeypatch):
     _set_stages(monkeypatch, request.param)
 
 
-@pytest.fixture(params=["0", None], ids=lambda s: f"stages{s or 'auto'}")
+@pytest.fixture(params=["0", "auto"], ids=lambda s: f"stages{s}")
 def both_kernels(request, monkeypatch):
     _set_stages(monkeypatch, request.param)
 
