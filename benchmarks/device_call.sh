@@ -157,26 +157,14 @@ has next80 && TAILN=25 run next80 ${NEXT_T:-200} python3 benchmarks/bench_e2e.py
 # $MOE_ARGS: e.g. "--reserve-gb 6 --snapshot-slots 4" (the 35B-A3B weights on an 80 GB H100)
 # shellcheck disable=SC2086  # a flag list
 has moe35 && TAILN=${MOE_TAIL:-25} run moe35 ${MOE_T:-300} python3 benchmarks/bench_e2e.py --config qwen3.6-35b-a3b ${MOE_ARGS:-} --out "$LOGS/moe35.json"
-# once per value of DS_ATTN_STAGES in $LONG_STAGES ("default": unset; "auto": the most the
-# shared memory fits; 0: the register-prefetch kernel; 2..4: the staged kernel's ring)
-for st in ${LONG_STAGES:-default}; do
-  [ "$st" = default ] && sv= || sv=$st
-  has long && DS_ATTN_STAGES=$sv TAILN=10 run "long_$st" 150 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --out "$LOGS/long_$st.json"
-done
+has long && TAILN=10 run long 150 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --out "$LOGS/long.json"
 # issue 28: the paged attention kernels once per arm of $ATTN_ARMS: "ref" (the extension of
-# csrc hash $REF_EXT, carried in build/ext_cache), a number (this tree's, with
-# DS_ATTN_BLOCKS_PER_SM set to it; 0: the kernel's own figure) or sN[-M] (this tree's with
-# DS_ATTN_STAGES=N: 0 the register-prefetch kernel, 2..4 the staged kernel's ring; and
-# DS_ATTN_MIN_SPLIT=M positions)
+# csrc hash $REF_EXT, carried in build/ext_cache) or a number (this tree's, with
+# DS_ATTN_BLOCKS_PER_SM set to it; 0: the kernel's own figure)
 if has attn; then
   for arm in ${ATTN_ARMS:-0}; do
-    stages= minsplit=
-    if [ "$arm" = ref ]; then use_ext ref; bps=0
-    elif [ "${arm#s}" != "$arm" ]; then
-      use_ext new; bps=0; stages=${arm#s}
-      [ "${stages#*-}" != "$stages" ] && minsplit=${stages#*-} && stages=${stages%%-*}
-    else use_ext new; bps=$arm; fi
-    DS_ATTN_MIN_SPLIT=$minsplit DS_ATTN_STAGES=$stages DS_ATTN_BLOCKS_PER_SM=$bps run "attn_$arm" 90 python3 benchmarks/bench_attention.py --batches ${ATTN_B:-1,8} --contexts ${ATTN_CTX:-128,8192,16384,32768} --page-sizes 16 --gather-gb 0 ${ATTN_PROF:+--profile} --out "$LOGS/attn_$arm.json"
+    if [ "$arm" = ref ]; then use_ext ref; bps=0; else use_ext new; bps=$arm; fi
+    DS_ATTN_BLOCKS_PER_SM=$bps run "attn_$arm" 90 python3 benchmarks/bench_attention.py --batches ${ATTN_B:-1,8} --contexts ${ATTN_CTX:-128,8192,16384,32768} --page-sizes 16 --gather-gb 0 ${ATTN_PROF:+--profile} --out "$LOGS/attn_$arm.json"
   done
   use_ext new
 fi

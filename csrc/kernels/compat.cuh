@@ -322,15 +322,11 @@ DS_DEVICE void thread_fence() {
 }
 // A load another block of the running grid may have written (after a fence and an atomic that
 // say it did): from L2, never a stale L1 line. Volatile on HIP (glc: past the L0/L1 caches).
-// Also for an index read before grid_dependency_wait() to aim prefetches: kept out of L1, the
-// read of the same word after the wait cannot hit a line the previous kernel then wrote.
-// V: float or int32_t.
-template <typename V>
-DS_DEVICE V load_coherent(const V* p) {
+DS_DEVICE float load_coherent(const float* p) {
 #if DS_EMU
   return *p;
 #elif DS_HIP
-  return *static_cast<const volatile V*>(p);
+  return *static_cast<const volatile float*>(p);
 #else
   return __ldcg(p);
 #endif
@@ -373,39 +369,6 @@ DS_DEVICE void prefetch_l2_bulk(const void* p, uint32_t bytes) {
   (void)bytes;
 #endif
 }
-// ---- asynchronous 16-byte copies into shared memory (sm_80+: cp.async) ---------------------
-// copy_async16 starts the copy of 16 bytes (both addresses 16-byte aligned), or of 16 zero
-// bytes when !valid (the source is then not read); copy_async_commit closes the thread's group
-// of copies started since the last commit; copy_async_wait<N> waits until at most N of the
-// thread's groups are still in flight. Each thread waits for its own copies only, so a barrier
-// must follow before other threads read them. Elsewhere (HIP, older GPUs, the emulation) the
-// copy is made at once and commit / wait do nothing: same bytes, no overlap.
-#if !DS_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#define DS_COPY_ASYNC 1
-#else
-#define DS_COPY_ASYNC 0
-#endif
-DS_DEVICE void copy_async16(void* smem, const void* gmem, bool valid) {
-#if DS_COPY_ASYNC
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
-               "l"(gmem), "r"(valid ? 16 : 0) : "memory");
-#else
-  *static_cast<uint4*>(smem) = valid ? *static_cast<const uint4*>(gmem) : uint4{0u, 0u, 0u, 0u};
-#endif
-}
-DS_DEVICE void copy_async_commit() {
-#if DS_COPY_ASYNC
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-template <int N>
-DS_DEVICE void copy_async_wait() {
-#if DS_COPY_ASYNC
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
 // A slot index read before the wait, for aiming prefetches: it may be stale or garbage, so it
 // is clamped into the pool's [0, S) (S >= 1).
 DS_DEVICE int64_t clamp_slot(int64_t slot, int64_t S) {
@@ -464,25 +427,6 @@ inline bool pdl_ready(const void* kernel) {
          }) == cudaSuccess && ready;
 }
 #endif
-
-// Whether the current device runs `kernel` from machine code built for sm_`arch` or later
-// (cudaFuncAttributes::binaryVersion): what its arch-guarded code paths (cp.async, PDL) took.
-// The emulation and HIP: true (their paths are chosen at compile time).
-inline bool kernel_arch_at_least(const void* kernel, int arch) {
-#if DS_CUDA
-  int version = 0;
-  return cached_per_device(kernel, &version, [kernel](int, int* v) {
-           cudaFuncAttributes attr{};
-           const cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
-           *v = attr.binaryVersion;
-           return err;
-         }) == cudaSuccess && version >= arch;
-#else
-  (void)kernel;
-  (void)arch;
-  return true;
-#endif
-}
 
 // Multiprocessors of the current device (CUDA: SMs; HIP: what the runtime reports, which on
 // RDNA in WGP mode is WGPs of 2 CUs each, 20 on gfx1151), for launch heuristics stated in blocks
@@ -616,9 +560,11 @@ inline ds_error_t shared_memory_limits(int* per_sm, int* per_block) {
 // the static part twice). Any dynamic amount asks for it: the default 48 KB bounds the static
 // and the dynamic part together (a gemv of 32 rows: 16 KB static, 33 KB dynamic at K = 2048).
 template <typename... KArgs, typename... Args>
-inline ds_error_t launch_dyn(void (*kernel)(KArgs...), dim3 grid, int threads, size_t smem,
+inline ds_error_t launch_dyn(void (*kernel)(KArgs...), int64_t blocks, int threads, size_t smem,
                              ds_stream_t stream, Pdl pdl, Args... args) {
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return DS_SUCCESS;
+  if (blocks <= 0) return DS_SUCCESS;
+  if (blocks > 0x7fffffffLL) return DS_ERROR_INVALID_VALUE;
+  const dim3 grid(static_cast<unsigned>(blocks));
 #if DS_EMU
   if (smem > size_t(kEmuDynamicSmem)) return DS_ERROR_INVALID_VALUE;
   return launch_smem(kernel, grid, threads, 0, stream, pdl, args...);
@@ -646,16 +592,6 @@ inline ds_error_t launch_dyn(void (*kernel)(KArgs...), dim3 grid, int threads, s
   kernel<<<grid, dim3(threads), smem, stream>>>(args...);
   return ds_get_last_error();
 #endif
-}
-
-// A 1-D grid of `blocks` blocks (at most 2^31 - 1).
-template <typename... KArgs, typename... Args>
-inline ds_error_t launch_dyn(void (*kernel)(KArgs...), int64_t blocks, int threads, size_t smem,
-                             ds_stream_t stream, Pdl pdl, Args... args) {
-  if (blocks <= 0) return DS_SUCCESS;
-  if (blocks > 0x7fffffffLL) return DS_ERROR_INVALID_VALUE;
-  return launch_dyn(kernel, dim3(static_cast<unsigned>(blocks)), threads, smem, stream, pdl,
-                    args...);
 }
 
 template <typename... KArgs, typename... Args>

@@ -52,18 +52,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   p.N = q.size(0); p.R = q.size(1); p.Hq = Hq; p.Hkv = Hkv; p.D = D;
   p.page_size = k_cache.size(1); p.page_div = ds::FastDiv(p.page_size);
   p.max_pages = page_table.size(1); p.page_table_stride = page_table.stride(0);
-  TORCH_CHECK(k_cache.size(0) >= 1 && k_cache.size(0) <= 0x7fffffff,
-              "deltaserve: the page pool must hold 1 .. 2^31 - 1 pages");
-  p.num_pages = k_cache.size(0);
   p.heads_per_block = ds::attn::heads_per_block(p.Hq, p.Hkv, p.R);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   const DeviceGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (p.N == 0) return out;
-  check_launch(ds::attn::attention_stages(p.D, &p.stages), "paged_attention (device query)");
-  p.min_split = ds::attn::attention_min_split();
   check_launch(ds::attn::max_splits_for(p.N, p.R, p.Hq, p.heads_per_block, p.D, max_kv_len,
-                                        p.stages, p.min_split, &p.max_splits),
+                                        &p.max_splits),
                "paged_attention (device query)");
   const auto f32 = q.options().dtype(at::kFloat);
   // the merge's workspace; one split: never touched

@@ -1,9 +1,7 @@
 """The paged attention and KV append kernels' own code on the CPU (kernels_emu.py) against the
-pure-torch references, for both attention kernels (the register-prefetch one and the staged
-ring of 2, 3 or 4 tiles, DS_ATTN_STAGES): one and several splits per request (the merge),
-splits of one and of many tiles, split edges inside a page and on page boundaries +-1, causal
-verify rows, GQA 1/3/4/8, D 64/128/256, heads split over blocks (8 heads x 4 rows), padding
-requests on page 0.
+pure-torch references: one and several splits per request (the merge), splits of one and of
+many tiles, split edges inside a page and on page boundaries +-1, causal verify rows, GQA
+1/3/4/8, D 64/128/256, heads split over blocks (8 heads x 4 rows), padding requests on page 0.
 bf16 and fp16 inputs; fp32 accumulation on both sides (the kernel's probabilities rounded to
 the input type for the P V product), so the outputs agree to a few bf16 ulps. The kernel's
 MMAs run here as their portable shuffle form (compat.cuh), whose fragment layout is the PTX
@@ -31,29 +29,6 @@ def _emulated(monkeypatch):
     assert ops.calls > 0, "the wrappers ran the reference, not the emulated kernels"
 
 
-# DS_ATTN_STAGES: "0" the register-prefetch kernel (HIP's), "2" / "4" the staged kernel's ring
-# of that many tiles, "auto" the most that fits (3 on the emulated H100's shared memory), None
-# unset (the launcher's default)
-STAGES = ["0", "2", "4", "auto", None]
-
-
-def _set_stages(monkeypatch, stages: str | None) -> None:
-    if stages is None:
-        monkeypatch.delenv("DS_ATTN_STAGES", raising=False)
-    else:
-        monkeypatch.setenv("DS_ATTN_STAGES", stages)
-
-
-@pytest.fixture(params=STAGES, ids=lambda s: f"stages{s or 'unset'}")
-def stages(request, monkeypatch):
-    _set_stages(monkeypatch, request.param)
-
-
-@pytest.fixture(params=["0", "auto"], ids=lambda s: f"stages{s}")
-def both_kernels(request, monkeypatch):  # for the long cases: each kernel once
-    _set_stages(monkeypatch, request.param)
-
-
 CASES = [  # lens (0: padding), rows, hq, hkv, d, page_size
     ([1, 33, 0], 1, 4, 1, 128, 16),
     ([31, 32, 64, 65], 1, 2, 2, 128, 1),
@@ -65,7 +40,7 @@ CASES = [  # lens (0: padding), rows, hq, hkv, d, page_size
 
 
 @pytest.mark.parametrize("lens,rows,hq,hkv,d,page_size", CASES)
-def test_kernel_matches_the_reference(lens, rows, hq, hkv, d, page_size, stages):
+def test_kernel_matches_the_reference(lens, rows, hq, hkv, d, page_size):
     q, kc, vc, table, kv_lens = paged_case(lens, rows, hq, hkv, d, page_size, torch.bfloat16,
                                            q_scale=PEAK)
     # max_kv_len large: the emulated device's 132 SMs give several splits even at these lengths
@@ -74,7 +49,7 @@ def test_kernel_matches_the_reference(lens, rows, hq, hkv, d, page_size, stages)
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1.6e-2)
 
 
-def test_one_split_writes_the_output_directly(stages):
+def test_one_split_writes_the_output_directly():
     # max_kv_len 1: a one-split grid, no merge
     q, kc, vc, table, kv_lens = paged_case([20, 3], 2, 4, 2, 128, 4, torch.bfloat16,
                                            q_scale=PEAK)
@@ -102,7 +77,7 @@ LONG_CASES = [  # lens, rows, hq, hkv, d, page_size, max_kv_len, dtype
 
 @pytest.mark.parametrize("lens,rows,hq,hkv,d,page_size,max_kv_len,dtype", LONG_CASES)
 def test_multi_tile_splits_match_the_reference(lens, rows, hq, hkv, d, page_size, max_kv_len,
-                                               dtype, both_kernels):
+                                               dtype):
     q, kc, vc, table, kv_lens = paged_case(lens, rows, hq, hkv, d, page_size, dtype,
                                            q_scale=PEAK, seed=d)
     got = paged_attention(q, kc, vc, table, kv_lens, d ** -0.5, max_kv_len)
@@ -124,7 +99,7 @@ MERGE_CASES = [  # lens, rows, hq, hkv, d, page_size, max_kv_len: the grid's spl
 
 @pytest.mark.parametrize("lens,rows,hq,hkv,d,page_size,max_kv_len", MERGE_CASES)
 def test_the_merge_of_few_splits_matches_the_reference(lens, rows, hq, hkv, d, page_size,
-                                                        max_kv_len, stages):
+                                                        max_kv_len):
     q, kc, vc, table, kv_lens = paged_case(lens, rows, hq, hkv, d, page_size, torch.bfloat16,
                                            q_scale=PEAK, seed=max_kv_len)
     got = paged_attention(q, kc, vc, table, kv_lens, d ** -0.5, max_kv_len)
@@ -140,16 +115,3 @@ def test_kv_append_kernel_equals_the_reference_bit_for_bit():
     kv_append_ref(k, v, want_k, want_v, table, kv_lens)
     kv_append(k, v, kc, vc, table, kv_lens)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
-
-
-@pytest.mark.parametrize("min_split", ["64", "100", "128"])
-def test_a_longer_min_split_changes_the_plan_not_the_answer(min_split, both_kernels,
-                                                            monkeypatch):
-    # DS_ATTN_MIN_SPLIT (rounded up to whole 32-position tiles): 300 positions in 3 .. 5 splits
-    # of 2 .. 4 tiles instead of 10 of one, 40 in one split (no merge); verify rows, GQA 2
-    monkeypatch.setenv("DS_ATTN_MIN_SPLIT", min_split)
-    q, kc, vc, table, kv_lens = paged_case([300, 40, 0], 3, 4, 2, 128, 16, torch.bfloat16,
-                                           q_scale=PEAK, seed=int(min_split))
-    got = paged_attention(q, kc, vc, table, kv_lens, 128 ** -0.5, 4096)
-    want = paged_attention_ref(q, kc, vc, table, kv_lens, 128 ** -0.5, 4096)
-    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1.6e-2)

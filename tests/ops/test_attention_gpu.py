@@ -1,8 +1,7 @@
 """CUDA paged attention and KV append against the pure-torch references: page sizes 1, 16,
 64, 128; context lengths 1 .. 40k with page boundaries +-1; GQA 1/4/8; head dims 64/128/256;
 decode (R = 1) and verify (R = 4); padding requests (page 0, kv_len = R); eager and inside a
-CUDA graph whose lengths change between replays. Both attention kernels (DS_ATTN_STAGES: the
-register-prefetch one and the staged ring of 2, 3 or 4 tiles)."""
+CUDA graph whose lengths change between replays."""
 
 from __future__ import annotations
 
@@ -28,26 +27,6 @@ def _extension_is_built():
     assert extension_loaded(), "deltaserve._C is not built: the GPU tests would test nothing"
 
 
-def _set_stages(monkeypatch, stages: str | None) -> None:
-    """DS_ATTN_STAGES (read at each call): "0" the register-prefetch kernel, "2" / "4" the
-    staged kernel's ring of that many tiles, "auto" the most that fits (3 on an H100/H200),
-    None unset (the launcher's default)."""
-    if stages is None:
-        monkeypatch.delenv("DS_ATTN_STAGES", raising=False)
-    else:
-        monkeypatch.setenv("DS_ATTN_STAGES", stages)
-
-
-@pytest.fixture(params=["0", "2", "4", "auto", None], ids=lambda s: f"stages{s or 'unset'}")
-def stages(request, monkeypatch):
-    _set_stages(monkeypatch, request.param)
-
-
-@pytest.fixture(params=["0", "auto"], ids=lambda s: f"stages{s}")
-def both_kernels(request, monkeypatch):
-    _set_stages(monkeypatch, request.param)
-
-
 def _lens(page_size: int, rows: int) -> list[int]:
     """Short, on and around page boundaries, across split sizes, up to 40k; 0 = padding."""
     edges = [page_size * k + e for k in (1, 2, 33) for e in (-1, 0, 1)]
@@ -66,7 +45,7 @@ def _check(q, kc, vc, table, kv_lens, max_len=MAX_LEN):
 
 @pytest.mark.parametrize("page_size", [1, 16, 64, 128])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_decode_and_verify_match_the_reference_at_every_length(page_size, rows, stages):
+def test_decode_and_verify_match_the_reference_at_every_length(page_size, rows):
     q, kc, vc, table, kv_lens = paged_case(_lens(page_size, rows), rows, 8, 2, 256, page_size,
                                            torch.bfloat16, DEV, seed=page_size, q_scale=PEAK)
     _check(q, kc, vc, table, kv_lens)
@@ -76,7 +55,7 @@ def test_decode_and_verify_match_the_reference_at_every_length(page_size, rows, 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gqa_ratios_head_dims_and_dtypes(hq, hkv, d, rows, dtype, both_kernels):
+def test_gqa_ratios_head_dims_and_dtypes(hq, hkv, d, rows, dtype):
     lens = [rows, 100, 1025, 5000, 0, 17_000]
     q, kc, vc, table, kv_lens = paged_case(lens, rows, hq, hkv, d, 16, dtype, DEV, seed=d,
                                            q_scale=PEAK)
@@ -84,7 +63,7 @@ def test_gqa_ratios_head_dims_and_dtypes(hq, hkv, d, rows, dtype, both_kernels):
 
 
 @pytest.mark.parametrize("batch", [1, 8, 32, 128])
-def test_batch_sizes_change_the_split_plan_not_the_answer(batch, both_kernels):
+def test_batch_sizes_change_the_split_plan_not_the_answer(batch):
     lens = [(i * 997) % 9000 + 1 for i in range(batch)]
     q, kc, vc, table, kv_lens = paged_case(lens, 1, 8, 2, 256, 16, torch.bfloat16, DEV,
                                            q_scale=PEAK)
@@ -93,14 +72,14 @@ def test_batch_sizes_change_the_split_plan_not_the_answer(batch, both_kernels):
 
 @pytest.mark.parametrize("d,max_len", [(256, 96), (256, 200), (128, 256), (128, 384), (64, 64)])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_few_splits_merge_in_wider_blocks(d, max_len, rows, both_kernels):
+def test_few_splits_merge_in_wider_blocks(d, max_len, rows):
     """max_len / 32 splits (3 .. 12): the merge's 4, 8 or 16 thread groups (merge_groups)."""
     q, kc, vc, table, kv_lens = paged_case([max_len, 33, 0], rows, 8, 2, d, 16, torch.bfloat16,
                                            DEV, seed=max_len, q_scale=PEAK)
     _check(q, kc, vc, table, kv_lens, max_len=max_len)
 
 
-def test_one_graph_serves_every_length(stages):
+def test_one_graph_serves_every_length():
     rows, page_size = 4, 16
     q, kc, vc, table, kv_lens = paged_case([MAX_LEN - 8] * 4, rows, 8, 2, 256, page_size,
                                            torch.bfloat16, DEV, q_scale=PEAK)
