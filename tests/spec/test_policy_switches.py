@@ -8,21 +8,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from test_policy import _R, fed
 
 from deltaserve.spec.policy import AdaptivePolicy, StepClock
-
-
-class _R:
-    def __init__(self, rid: int) -> None:
-        self.rid, self.finished = rid, False
-
-
-def fed(policy: AdaptivePolicy, n: int, verify_s: float, decode_s: float) -> None:
-    """A run of verify steps, then one of decode steps, each a window long past its first."""
-    for _ in range(policy.window + 1):
-        policy.on_step(policy.k, n, verify_s)
-    for _ in range(policy.window + 1):
-        policy.on_step(0, n, decode_s)
 
 
 def switching(p: AdaptivePolicy, b: int, verify_s: float, decode_s: float,
