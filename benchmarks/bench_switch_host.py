@@ -31,7 +31,8 @@ import statistics
 import time
 
 import torch
-from bench_step_host import PROMPT  # a sibling script
+from bench_spec import warm_both_kinds  # sibling scripts
+from bench_step_host import PROMPT
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.cuda_graph import GraphRunner, hidden_ring_steps
@@ -56,12 +57,9 @@ def stubbed_engine(algo: str, batch: int, args: argparse.Namespace) -> LLM:
     eng.decode_graphs = GraphRunner(eng.runner, n, 1, eng.max_model_len, capture=False,
                                     hidden_ring=hidden_ring_steps(eng.spec, eng.model, n))
     llm.prompt = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
-    choose = eng.scheduler.choose_drafts
-    for forced in (3, 0):  # real outputs in every graph's buffers before the stubs
-        eng.scheduler.choose_drafts = lambda reqs, f=forced: f
-        llm.generate([llm.prompt] * batch, SamplingParams(temperature=0.0, max_tokens=8,
-                                                          ignore_eos=True))
-    eng.scheduler.choose_drafts = choose
+    # real outputs in every graph's buffers before the stubs
+    warm_both_kinds(llm, [llm.prompt] * batch,
+                    SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     runners = [eng.graphs, eng.decode_graphs]
     if algo == "mtp":
         runners.append(eng.spec.proposer.graphs)
@@ -102,11 +100,7 @@ def run(algo: str, batch: int, pattern: str, args: argparse.Namespace) -> dict:
 
     eng.spec.propose = counted_propose
     if pattern == "adaptive":
-        choose = eng.scheduler.choose_drafts
-        for forced in (3, 0):
-            eng.scheduler.choose_drafts = lambda reqs, f=forced: f
-            llm.generate([llm.prompt] * batch, params)
-        eng.scheduler.choose_drafts = choose
+        warm_both_kinds(llm, [llm.prompt] * batch, params)
     else:  # by the steps launched so far (the overlap scheduler asks before a step lands)
         eng.scheduler.choose_drafts = lambda reqs: 3 if pattern[
             (eng.overlap.launched_steps + verifies[0]) % len(pattern)] == "v" else 0

@@ -11,9 +11,8 @@ to the prefix cache together when the request is released:
   could still join the batch, deepest first: with the default pool (2 snapshot slots a running
   request) all of them, and a small --num-snapshot-slots never makes a request wait for them
   (waiting capped the batch at slots / 3: about 22 of 32 on the 35B-A3B config with 4 snapshot
-  slots, likely why its batch-32 decode read 1,493 against 2,134 tok/s; scheduler._plan). A
-  chunk that
-  ends at a track depth copies the live state there; a chunk that runs past one
+  slots, likely why its batch-32 decode read 1,493 against 2,134 tok/s; admission._plan). A
+  chunk that ends at a track depth copies the live state there; a chunk that runs past one
   (`in_forward`, the default) has the forward write the state at that depth into the track
   slot itself (Batch.tracks: the GDN backend splits the request's recurrence there, the conv
   writes the window there), so the prompt's last chunk is not cut short at B (or B - G), which
