@@ -171,9 +171,10 @@ fi
 # where a batch-8 decode step's time goes at context 128 and 16k (after the long-context rows)
 has longprof && TAILN=4 run longprof 200 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --profile --out "$LOGS/longprof.json"
 has mtptest && run mtptest 90 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/spec/test_gpu_mtp_graph.py
-# once per workload in $SPEC_W (heldout: build/spec_corpus's files; repetitive)
+# once per workload in $SPEC_W (heldout: build/spec_corpus's files; repetitive); $SPEC_TOKENS
+# tokens a request (64), $SPEC_ROUNDS rounds (5)
 for w in ${SPEC_W:-heldout}; do
-  has spec && TAILN=${SPEC_TAIL:-14} run spec_$w ${SPEC_T:-150} python3 benchmarks/bench_spec.py --workload $w --corpus build/spec_corpus --batches ${SPEC_B:-1,32} --ks 3 --max-tokens 64 --policies ${SPEC_P:-fixed,adaptive} --overlap-verify ${SPEC_OV:-off} --out "$LOGS/spec_$w.json"
+  has spec && TAILN=${SPEC_TAIL:-14} run spec_$w ${SPEC_T:-150} python3 benchmarks/bench_spec.py --workload $w --corpus build/spec_corpus --batches ${SPEC_B:-1,32} --ks 3 --max-tokens ${SPEC_TOKENS:-64} --rounds ${SPEC_ROUNDS:-5} --policies ${SPEC_P:-fixed,adaptive} --overlap-verify ${SPEC_OV:-off} --out "$LOGS/spec_$w.json"
 done
 # issue 30's 0.8B-config figures: a verify step (k = 3) and an MTP draft step against a plain
 # decode step (random weights with one MTP layer; n-gram on the repetitive workload)
