@@ -42,8 +42,9 @@ import statistics
 import tempfile
 import time
 
-import e2e_configs  # a sibling script
+import e2e_configs  # sibling scripts
 import torch
+from spec_view import kept_medians, policy_state, policy_view
 
 from deltaserve import LLM, SamplingParams
 
@@ -96,6 +97,7 @@ class Arm:
         self.prefill: list[float] = []  # and of its run of one token
         self.kinds: list[int] = []  # the k of each decode step inside the timed runs
         self.seconds: list[float] = []  # and the cost the policy was told of it
+        self.policy_state: dict | None = None  # the policy's beliefs after the last round
 
     def setup(self) -> None:
         algo, policy, args = self.algo, self.policy, self.args
@@ -140,6 +142,7 @@ class Arm:
         finally:
             if self.algo is not None:
                 eng.policy.on_step = on_step
+                self.policy_state = policy_state(eng.policy)
 
     def finish(self) -> dict:
         """The row of this arm (the untimed runs for its token check and step costs first),
@@ -170,52 +173,9 @@ class Arm:
                "timed_verify_share": sum(1 for k in kinds if k) / len(kinds) if kinds else None,
                "gaps": gaps.get("gaps"),
                "chained_steps": eng.overlap.verify.chained_steps if eng.overlap else 0,
-               **policy_view(eng.policy, kinds, self.seconds), **costs}
+               **policy_view(self.policy_state, kinds, self.seconds), **costs}
         del self.llm
         return row
-
-
-def policy_view(policy, kinds: list[int], seconds: list[float]) -> dict:
-    """What the adaptive policy saw in the timed runs: the median cost it was told of a verify
-    and of a plain step (ms; a step right after the other kind included), the same over the
-    steps that continued a run of their kind (what its medians keep) with their 90th
-    percentile, the mean length of each kind's runs, the switches (steps of the other kind than
-    the one before) and what the first step of a run cost (median ms, a switch's price), its
-    kept medians per (batch bucket, k) at the end (ms), its measured round-trip switch cost
-    per bucket (ms) and its running mean acceptance length; else {}."""
-    if getattr(policy, "_medians", None) is None:
-        return {}
-
-    def pick(verify: bool, continuing: bool) -> list[float]:
-        return sorted(s for i, (k, s) in enumerate(zip(kinds, seconds)) if bool(k) == verify
-                      and (not continuing or (i > 0 and bool(kinds[i - 1]) == verify)))
-
-    def ms(v: list[float], q: float = 0.5) -> float | None:
-        return round(v[min(int(len(v) * q), len(v) - 1)] * 1e3, 4) if v else None
-
-    runs: dict[bool, list[int]] = {True: [], False: []}
-    for i, k in enumerate(kinds):
-        if i and bool(kinds[i - 1]) == bool(k):
-            runs[bool(k)][-1] += 1
-        else:
-            runs[bool(k)].append(1)
-    kinds_named = (("verify", True), ("plain", False))
-    first = {n: sorted(s for i, (k, s) in enumerate(zip(kinds, seconds))
-                       if i and bool(k) == v and bool(kinds[i - 1]) != v)
-             for n, v in kinds_named}
-    trips = {b: policy.switch_cost(b) for b, _ in sorted(policy._medians)}
-    return {"switches": sum(len(v) for v in first.values()),
-            "first_step_ms": {n: ms(v) for n, v in first.items()},
-            "policy_switch_cost_ms": {f"b{b}": round(t * 1e3, 4) for b, t in trips.items()
-                                      if t is not None},
-            "policy_told_ms": {n: ms(pick(v, False)) for n, v in kinds_named},
-            "policy_told_continuing_ms": {n: [ms(pick(v, True)), ms(pick(v, True), 0.9)]
-                                          for n, v in kinds_named},
-            "mean_run_length": {n: round(sum(runs[v]) / len(runs[v]), 2) if runs[v] else None
-                                for n, v in kinds_named},
-            "policy_medians_ms": {f"b{b}/k{k}": round(v * 1e3, 4)
-                                  for (b, k), v in sorted(policy._medians.items())},
-            "policy_mean_acceptance": round(policy._global, 3)}
 
 
 def graph_counts(eng) -> dict[str, int]:
@@ -424,7 +384,8 @@ def run(args: argparse.Namespace) -> None:
                   f"{r['timed_verify_share']:.0%} of decode steps verified, "
                   f"{r.get('switches')} switches, first steps {r.get('first_step_ms')} ms "
                   f"(in runs {r.get('policy_told_continuing_ms')}), policy's switch cost "
-                  f"{r.get('policy_switch_cost_ms')} ms")
+                  f"{r.get('policy_switch_cost_ms')} ms; its medians after the rounds "
+                  f"{kept_medians(r)} ms, mean acceptance {r.get('policy_mean_acceptance')}")
         if r.get("chained_steps"):
             print(f"{r['algo']} {r['policy']} batch {r['batch']}: {r['chained_steps']} verify "
                   "steps chained (launched before the previous one landed), all runs")
