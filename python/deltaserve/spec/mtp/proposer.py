@@ -38,6 +38,7 @@ from deltaserve.core import FinishReason, ForwardContext, Phase
 from deltaserve.engine.attention import AttentionMetadata, PagedAttentionBackend
 from deltaserve.engine.cuda_graph import VerifyChain
 from deltaserve.engine.staging import row_positions, to_device
+from deltaserve.ops._ext import count_from_env
 from deltaserve.spec.mtp.graph import MTPGraphs
 from deltaserve.spec.proposer import Proposer
 
@@ -45,7 +46,9 @@ if TYPE_CHECKING:
     from deltaserve.core import Batch, Req
 
 
-AHEAD_CAP = 128  # decode steps launched ahead that may wait for a catch-up (module doc)
+# decode steps launched ahead that may wait for a catch-up (module doc); DS_MTP_AHEAD_CAP
+# (1..4096, read at import) moves it for A/B runs
+AHEAD_CAP = max(1, count_from_env("DS_MTP_AHEAD_CAP", 128, 4096))
 
 
 @dataclass(slots=True)
