@@ -36,7 +36,7 @@ import torch
 
 from deltaserve.core import FinishReason, ForwardContext, Phase
 from deltaserve.engine.attention import AttentionMetadata, PagedAttentionBackend
-from deltaserve.engine.cuda_graph import VerifyChain
+from deltaserve.engine.cuda_graph import RING_BYTES, VerifyChain
 from deltaserve.engine.staging import row_positions, to_device
 from deltaserve.ops._ext import count_from_env
 from deltaserve.spec.mtp.graph import MTPGraphs
@@ -46,9 +46,24 @@ if TYPE_CHECKING:
     from deltaserve.core import Batch, Req
 
 
-# decode steps launched ahead that may wait for a catch-up (module doc); DS_MTP_AHEAD_CAP
-# (1..4096, read at import) moves it for A/B runs
-AHEAD_CAP = max(1, count_from_env("DS_MTP_AHEAD_CAP", 128, 4096))
+# Decode steps launched ahead that may wait for a catch-up (module doc), at most: each eager
+# catch-up costs the host its launches whatever its rows, so rarer is cheaper. On an H100
+# (session 46, held-out prompts, 512 tokens, one call) speculation on with every step plain
+# ran 0.95x / 0.96x of speculation off at batch 1 / 8 with 128, 0.98x / 0.99x with 1024.
+# `use_graphs` lowers it to what fits the plain decode graphs' hidden-state ring
+# (engine/cuda_graph.py RING_BYTES), not below MIN_AHEAD_CAP. DS_MTP_AHEAD_CAP (1..4096, read
+# at import) moves it for A/B runs.
+AHEAD_CAP = max(1, count_from_env("DS_MTP_AHEAD_CAP", 1024, 4096))
+MIN_AHEAD_CAP = 128
+
+
+def ahead_cap(step_bytes: int, k: int) -> int:
+    """AHEAD_CAP, lowered to what keeps the plain decode graphs' hidden-state ring (the cap +
+    2 (k + 1) + 9 steps of `step_bytes`: engine/cuda_graph.py hidden_ring_steps) within
+    RING_BYTES, not below min(AHEAD_CAP, MIN_AHEAD_CAP) (past that the ring is off and the
+    host clones each step's rows, as before the cap grew)."""
+    fit = RING_BYTES // max(step_bytes, 1) - 2 * (k + 1) - 9
+    return max(min(AHEAD_CAP, fit), min(AHEAD_CAP, MIN_AHEAD_CAP))
 
 
 @dataclass(slots=True)
@@ -81,6 +96,7 @@ class MTPProposer(Proposer):
         self._states: dict[int, _ReqState] = {}
         # decode steps launched ahead, not yet filed per request: (hidden [B, H], requests)
         self._ahead: list[tuple[torch.Tensor, list[Req]]] = []
+        self.ahead_cap = AHEAD_CAP  # `use_graphs` fits it to the hidden-state ring
         self._verify_hidden: torch.Tensor | None = None
         self.graphs: MTPGraphs | None = None  # set by use_graphs
         # a finished request's draft KV matters only to the prefix cache
@@ -115,10 +131,10 @@ class MTPProposer(Proposer):
     @property
     def hidden_steps_held(self) -> int:
         """With graphs, a decode step's hidden rows are copied (stacked, concatenated or
-        caught up) by the time AHEAD_CAP more steps launched ahead, or k + 1 more steps of its
+        caught up) by the time `ahead_cap` more steps launched ahead, or k + 1 more steps of its
         request, ran. The eager proposer holds rows launched ahead until the next verify,
         however far (0: no bound)."""
-        return AHEAD_CAP + 2 * (self.num_steps + 1) if self.graphs is not None else 0
+        return self.ahead_cap + 2 * (self.num_steps + 1) if self.graphs is not None else 0
 
     @property
     def chains_verify(self) -> bool:
@@ -131,6 +147,8 @@ class MTPProposer(Proposer):
         self.graphs = MTPGraphs(self.head, self.model.compute_logits, self.kv, c.hidden_size,
                                 self.model.dtype, self.device,
                                 self.num_steps, max_reqs, max_kv_len, capture)
+        self.ahead_cap = ahead_cap(max_reqs * c.hidden_size * self.model.dtype.itemsize,
+                                   self.num_steps)
 
     # ---- hooks --------------------------------------------------------------------------
     def on_forward(self, batch: Batch, hidden: torch.Tensor | None) -> None:
@@ -141,7 +159,7 @@ class MTPProposer(Proposer):
         if self.graphs is not None and batch.phase is Phase.DECODE \
                 and all(r.ahead and r.rid in states for r in batch.reqs):
             self._ahead.append((hidden, batch.reqs))  # filed when read (`states`)
-            if len(self._ahead) >= AHEAD_CAP:  # landed rows through the head, no host sync
+            if len(self._ahead) >= self.ahead_cap:  # landed rows through the head, no sync
                 self._catch_up(batch.reqs, keep=self.num_steps + 1)
             return
         states = self.states
