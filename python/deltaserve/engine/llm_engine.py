@@ -127,8 +127,8 @@ class LLMEngine:
                            "than the context length %d: longer ones are refused (%s, or lower "
                            "--max-model-len)", longest, self.max_model_len,
                            self.scheduler.pool_hint())
-        self.spec_steps = 0
-        self.spec_committed = 0
+        # verify counters: requests' verifies, their committed rows and drafts, verify steps
+        self.spec_steps = self.spec_committed = self.spec_drafted = self.spec_verify_steps = 0
         self._rids = itertools.count()
         self._reqs: dict[int, Req] = {}
         self.num_steps = 0
@@ -386,6 +386,9 @@ class LLMEngine:
         live = [c for c in counts if c > 0]
         self.spec_steps += len(live)
         self.spec_committed += sum(live)
+        drafts = batch.num_drafts or [batch.rows_per_req - 1] * len(counts)
+        self.spec_drafted += sum(n for n, c in zip(drafts, counts) if c > 0)
+        self.spec_verify_steps += 1
 
     def _release(self, req: Req) -> None:
         self.spec.release(req)

@@ -72,6 +72,17 @@ def cache_status(engine: LLMEngine) -> dict:
         "prompt_tokens": engine.scheduler.prompt_tokens,
     }
 
+def spec_status(engine: LLMEngine) -> dict | None:
+    """Speculative decoding's counters since start (None with speculation off): verify steps,
+    requests' verifies (one per request a step: vLLM's "drafts"), the draft tokens they
+    checked and those accepted (committed rows less one a verify)."""
+    if engine.spec is None:
+        return None
+    return {"verify_steps": engine.spec_verify_steps, "drafts": engine.spec_steps,
+            "draft_tokens": engine.spec_drafted,
+            "accepted_tokens": engine.spec_committed - engine.spec_steps}
+
+
 def engine_metrics(engine: LLMEngine) -> dict[str, float]:
     """num_steps, generated / prompt / cached tokens, queue lengths, pages and slots used."""
     status = cache_status(engine)

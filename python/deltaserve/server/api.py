@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from deltaserve.engine.status import spec_status
 from deltaserve.server.async_engine import AsyncEngine, EngineDeadError
 from deltaserve.server.body_errors import body_parse_message, validation_message
 from deltaserve.server.errors import error_response
@@ -149,8 +150,8 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None) -> Fast
 
     @app.get("/metrics", responses=RESPONSES["metrics"])
     async def prometheus() -> Response:
-        status = await engine.call(lambda e: e.cache_status())
-        text = metrics.render(status, engine.num_inflight)
+        status, spec = await engine.call(lambda e: (e.cache_status(), spec_status(e)))
+        text = metrics.render(status, engine.num_inflight, spec)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/cache/status", responses=RESPONSES["cache_status"])

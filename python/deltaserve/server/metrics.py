@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 if TYPE_CHECKING:
     from deltaserve.engine.llm_engine import RequestOutput
@@ -34,6 +35,29 @@ _CACHE_GAUGES = {
 }
 
 
+# counter name -> (help, field of engine/status.py spec_status), vLLM's spec_decode families
+_SPEC_COUNTERS = {
+    "spec_decode_verify_steps": ("Verify steps (speculative decoding)", "verify_steps"),
+    "spec_decode_drafts": ("Requests' verifies: one per request a verify step", "drafts"),
+    "spec_decode_draft_tokens": ("Draft tokens verified", "draft_tokens"),
+    "spec_decode_accepted_tokens": ("Draft tokens accepted", "accepted_tokens"),
+}
+
+
+class _SpecCollector:
+    """The engine's speculative-decoding counters as of the last scrape (none with
+    speculation off): counters the engine keeps, so they are read, not incremented here."""
+
+    def __init__(self) -> None:
+        self.status: dict | None = None
+
+    def collect(self):
+        if self.status is None:
+            return
+        for name, (help_, key) in _SPEC_COUNTERS.items():
+            yield CounterMetricFamily(f"deltaserve_{name}", help_, value=self.status[key])
+
+
 class ServerMetrics:
     """Request counters updated by the serving code; engine gauges refreshed at each scrape."""
 
@@ -55,6 +79,8 @@ class ServerMetrics:
                               "a request with n = 4 counts 4)", registry=r)
         self._cache = {name: Gauge(f"deltaserve_{name}", help_, registry=r)
                        for name, (help_, _) in _CACHE_GAUGES.items()}
+        self._spec = _SpecCollector()
+        r.register(self._spec)
 
     def observe_finished(self, endpoint: str, out: RequestOutput) -> None:
         self.requests.labels(endpoint=endpoint, finish_reason=out.finish_reason or "none").inc()
@@ -62,9 +88,11 @@ class ServerMetrics:
         self.generation_tokens.inc(out.completion_tokens)
         self.cached_tokens.inc(out.cached_tokens)
 
-    def render(self, cache_status: dict, inflight: int) -> bytes:
-        """The Prometheus text exposition, with gauges set from `cache_status`."""
+    def render(self, cache_status: dict, inflight: int, spec: dict | None = None) -> bytes:
+        """The Prometheus text exposition, with gauges set from `cache_status` and the
+        speculative-decoding counters from `spec` (engine/status.py spec_status; None: off)."""
         for name, (_, value) in _CACHE_GAUGES.items():
             self._cache[name].set(value(cache_status))
         self.inflight.set(inflight)
+        self._spec.status = spec
         return generate_latest(self.registry)
