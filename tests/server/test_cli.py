@@ -401,3 +401,12 @@ def test_a_shortened_flag_is_a_usage_error_not_the_flag_it_starts(argv, message,
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_an_unknown_flag_shows_its_commands_usage(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, "x", "--bogus-flag"] if command == "generate" else [command, "--bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert f"usage: deltaserve {command}" in err and "unrecognized arguments: --bogus" in err

@@ -213,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                            epilog=EXIT_STATUS, allow_abbrev=False)
+    for command in (gen, serve):  # parse_args: an unknown flag shows the command's usage
+        command.set_defaults(command_parser=command)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000,
@@ -372,8 +374,17 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """build_parser's parse, where an unknown flag is its command's usage error (argparse
+    would print the top-level usage, which lists no flag of the command). Exits 2 on it."""
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
