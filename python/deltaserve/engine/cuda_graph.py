@@ -316,18 +316,25 @@ def build_graph_runners(cfg: EngineConfig, model, runner: ModelRunner, spec,
 
 
 RING_BYTES = 64 << 20  # the most a hidden-state ring takes (else the host clones)
+RING_MARGIN = 8  # ring steps past those the proposer holds
+
+
+def ring_held_fit(step_bytes: int) -> int:
+    """The most steps a proposer may hold a step's hidden rows of `step_bytes` (all its
+    requests) while the ring that serves them stays within RING_BYTES (hidden_ring_steps)."""
+    return RING_BYTES // max(step_bytes, 1) - 1 - RING_MARGIN
 
 
 def hidden_ring_steps(spec, model, max_reqs: int) -> int:
     """Steps of the plain decode graphs' hidden-state ring: those the proposer may hold a
-    step's hidden rows, plus a margin; 0 (clone after each replay) when the proposer takes no
-    hidden states, holds them without a bound, or the ring would pass RING_BYTES."""
+    step's hidden rows, plus RING_MARGIN; 0 (clone after each replay) when the proposer takes
+    no hidden states, holds them without a bound, or the ring would pass RING_BYTES (one
+    more step than it has is allocated: the scratch slot)."""
     held = spec.proposer.hidden_steps_held if spec.wants_hidden else 0
     if not held:
         return 0
-    steps = held + 8
-    size = (steps + 1) * max_reqs * model.config.hidden_size * model.dtype.itemsize
-    return steps if size <= RING_BYTES else 0
+    step_bytes = max_reqs * model.config.hidden_size * model.dtype.itemsize
+    return held + RING_MARGIN if held <= ring_held_fit(step_bytes) else 0
 
 
 def _chain_inputs(g: _Graph, chain: VerifyChain, n: int, rows: int) -> None:

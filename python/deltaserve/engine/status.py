@@ -72,6 +72,7 @@ def cache_status(engine: LLMEngine) -> dict:
         "prompt_tokens": engine.scheduler.prompt_tokens,
     }
 
+
 def spec_status(engine: LLMEngine) -> dict | None:
     """Speculative decoding's counters since start (None with speculation off): verify steps,
     requests' verifies (one per request a step: vLLM's "drafts"), the draft tokens they

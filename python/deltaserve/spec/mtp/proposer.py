@@ -36,7 +36,7 @@ import torch
 
 from deltaserve.core import FinishReason, ForwardContext, Phase
 from deltaserve.engine.attention import AttentionMetadata, PagedAttentionBackend
-from deltaserve.engine.cuda_graph import RING_BYTES, VerifyChain
+from deltaserve.engine.cuda_graph import VerifyChain, ring_held_fit
 from deltaserve.engine.staging import row_positions, to_device
 from deltaserve.ops._ext import count_from_env
 from deltaserve.spec.mtp.graph import MTPGraphs
@@ -58,11 +58,11 @@ MIN_AHEAD_CAP = 128
 
 
 def ahead_cap(step_bytes: int, k: int) -> int:
-    """AHEAD_CAP, lowered to what keeps the plain decode graphs' hidden-state ring (the cap +
-    2 (k + 1) + 9 steps of `step_bytes`: engine/cuda_graph.py hidden_ring_steps) within
+    """AHEAD_CAP, lowered to what keeps the plain decode graphs' hidden-state ring (for the
+    cap + 2 (k + 1) steps held of `step_bytes`: engine/cuda_graph.py ring_held_fit) within
     RING_BYTES, not below min(AHEAD_CAP, MIN_AHEAD_CAP) (past that the ring is off and the
     host clones each step's rows, as before the cap grew)."""
-    fit = RING_BYTES // max(step_bytes, 1) - 2 * (k + 1) - 9
+    fit = ring_held_fit(step_bytes) - 2 * (k + 1)
     return max(min(AHEAD_CAP, fit), min(AHEAD_CAP, MIN_AHEAD_CAP))
 
 
