@@ -138,15 +138,16 @@ fi
 has ttftcosts && TAILN=${TTFT_TAIL:-40} run ttftcosts ${TTFT_T:-240} python3 benchmarks/probe_ttft_costs.py --vocab 248320 ${TTFT_ARGS:-} --out "$LOGS/ttft_costs.json"
 # same-call A/B of a python-only change to the cached follow-up (issue 27's ratio): the probe's
 # follow-up part under build/ab/ref's python (bash benchmarks/ab_prepare.sh <commit>) and
-# HEAD's, in turn ($TTFTAB_SIDES)
+# HEAD's, in turn ($TTFTAB_SIDES; $TTFTAB_ARGS: the probe's flags, e.g. "--skip-followup
+# --lengths 200,256,300,500": the TTFT at new lengths instead)
 if has ttftab; then
   cp python/deltaserve/_C*.so build/ab/ref/python/deltaserve/
   head_path=$PYTHONPATH; i=0
   for side in ${TTFTAB_SIDES:-ref head}; do
     i=$((i + 1)); export PYTHONPATH=$head_path
     [ $side = ref ] && export PYTHONPATH=/tmp/site:$PWD/build/ab/ref/python
-    TAILN=2 run ttft_$side$i ${TTFTAB_T:-150} python3 benchmarks/probe_ttft_costs.py --vocab 248320 --skip-lengths --out "$LOGS/ttft_$side$i.json"
-    grep -h "^follow-up" "$LOGS/ttft_$side$i.log"
+    TAILN=2 run ttft_$side$i ${TTFTAB_T:-150} python3 benchmarks/probe_ttft_costs.py --vocab 248320 ${TTFTAB_ARGS:---skip-lengths} --out "$LOGS/ttft_$side$i.json"
+    grep -h "^follow-up\|^TTFT at" "$LOGS/ttft_$side$i.log"
   done
   export PYTHONPATH=$head_path
 fi
@@ -167,6 +168,23 @@ if has attn; then
     DS_ATTN_BLOCKS_PER_SM=$bps run "attn_$arm" 90 python3 benchmarks/bench_attention.py --batches ${ATTN_B:-1,8} --contexts ${ATTN_CTX:-128,8192,16384,32768} --page-sizes 16 --gather-gb 0 ${ATTN_PROF:+--profile} --out "$LOGS/attn_$arm.json"
   done
   use_ext new
+fi
+# Nsight Compute on one graph-replayed launch of the attention kernel per case of $NCU_CASES
+# ("B:ctx:R", e.g. "8:8192:1 1:32768:1"): the details page to steps.log, the SASS source page
+# (for `python benchmarks/ncu_gdn.py summary`) as $OUT/ncu_<case>.csv
+if has attnncu; then
+  for c in ${NCU_CASES:-8:8192:1 1:32768:1}; do
+    IFS=: read -r nb nctx nr <<< "$c"; tag=b${nb}_${nctx}_r$nr
+    run "ncu_$tag" 150 ncu -k regex:${NCU_KERNEL:-paged_attn_kernel} --launch-skip 40 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+      --section WarpStateStats --section SchedulerStats --section InstructionStats \
+      --section SourceCounters -o "/tmp/ncu_$tag" python3 benchmarks/bench_attention.py \
+      --batches "$nb" --contexts "$nctx" --rows "$nr" --page-sizes 16 --gather-gb 0 --chain 1 \
+      --out /tmp/ncu_$tag.json
+    ncu -i "/tmp/ncu_$tag.ncu-rep" --page details > "$LOGS/ncu_${tag}_details.txt" 2>&1
+    ncu -i "/tmp/ncu_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_$tag.csv" 2>&1
+    collect "ncu_$tag" 0 0
+  done
 fi
 # where a batch-8 decode step's time goes at context 128 and 16k (after the long-context rows)
 has longprof && TAILN=4 run longprof 200 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --profile --out "$LOGS/longprof.json"

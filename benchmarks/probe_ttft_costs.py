@@ -34,9 +34,9 @@ LENGTHS = (100, 200, 257, 300, 500, 513, 700, 1000, 1025, 1500, 2000, 2049, 2500
            6000)
 
 
-def first_costs(llm: LLM, vocab: int, one: SamplingParams) -> dict:
+def first_costs(llm: LLM, vocab: int, one: SamplingParams, lengths=LENGTHS) -> dict:
     out = {}
-    for n in LENGTHS:
+    for n in lengths:
         row = []
         for rep in range(2):
             llm.engine.flush_cache()
@@ -169,6 +169,9 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=8192, help="the follow-up's cached prompt")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-lengths", action="store_true")
+    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
+                    help="part 1's prompt lengths (comma-separated)")
+    ap.add_argument("--skip-followup", action="store_true", help="part 1 only")
     ap.add_argument("--concurrent", type=int, default=8,
                     help="follow-up turns at once in the concurrent part (0: skip it)")
     ap.add_argument("--out", default="ttft_costs.json")
@@ -187,9 +190,11 @@ def main() -> None:
             timed(llm.generate, [prompt(n, args.vocab, 4)], one)
         res: dict = {"config": vars(args)}
         if not args.skip_lengths:
-            res["lengths"] = first_costs(llm, args.vocab, one)
-        res["followup"] = followup(llm, args.vocab, args.long, args.repeats, one)
-        if args.concurrent:
+            res["lengths"] = first_costs(llm, args.vocab, one,
+                                         [int(x) for x in args.lengths.split(",")])
+        if not args.skip_followup:
+            res["followup"] = followup(llm, args.vocab, args.long, args.repeats, one)
+        if args.concurrent and not args.skip_followup:
             res["concurrent"] = concurrent_followups(llm, args.vocab, args.long,
                                                      args.concurrent, args.repeats, one)
     with open(args.out, "w") as f:

@@ -24,7 +24,7 @@ def _replays_on_again():
     starts with them on, so one failure does not pass for every test after it."""
     from deltaserve.ops import chunk_graph
 
-    chunk_graph._state["failed"] = False
+    chunk_graph._state.update(failed=False, warm=True)
     yield
 
 
@@ -149,6 +149,48 @@ def test_the_layers_after_the_first_replay_the_bits_of_eager_calls(bounds, chain
         assert torch.isfinite(o_eager).all() and torch.isfinite(final_eager).all()
         assert _same_bits(o, o_eager)
         assert _same_bits(final, final_eager)
+
+
+@pytest.mark.parametrize(("bounds", "chained"), [([0, 203], None), ([0, 50, 61, 190], None),
+                                                 ([0, 90, 170, 301], [False, False, True])])
+def test_a_new_length_captures_its_first_layer_once_its_kernels_ran(bounds, chained,
+                                                                      monkeypatch):
+    """After one forward of a signature class ran eagerly (any token count), a forward of a
+    token and sequence count not seen before captures at its first layer (ops/chunk_graph.py)
+    and every layer gives the bits of a call with replays off."""
+    monkeypatch.setenv("DS_PREFILL_GRAPH_TOKENS", "8192")
+    m = len(bounds) - 1
+    warm_bounds = [0, 64 * (m + 1)] if chained is None else [0, 40, 100, 128]
+    warm = PrefillIndex.build(warm_bounds, chained if chained is None else [False, False, True],
+                              device=DEV)
+    gdn_chunk_prefill(*_layer_inputs(warm_bounds[-1], len(warm_bounds) - 1, seed=80,
+                                     normalized=True), warm, 128 ** -0.5, qk_normalized=True)
+    index = PrefillIndex.build(bounds, chained, device=DEV)
+    layers = [_layer_inputs(bounds[-1], m, seed=82 + 2 * i, normalized=True) for i in range(3)]
+    got = [gdn_chunk_prefill(*layers[0], index, 128 ** -0.5, qk_normalized=True)]
+    (call,) = index.graphs.values()
+    assert call.graph is not None and call.calls == 1
+    got += [gdn_chunk_prefill(*x, index, 128 ** -0.5, qk_normalized=True) for x in layers[1:]]
+    monkeypatch.setenv("DS_PREFILL_GRAPH_TOKENS", "0")
+    for x, (o, final) in zip(layers, got):
+        o_eager, final_eager = gdn_chunk_prefill(*x, PrefillIndex.build(bounds, chained,
+                                                                        device=DEV),
+                                                 128 ** -0.5, qk_normalized=True)
+        assert torch.isfinite(o_eager).all() and torch.isfinite(final_eager).all()
+        assert _same_bits(o, o_eager)
+        assert _same_bits(final, final_eager)
+
+
+def test_a_new_signature_class_still_runs_its_first_layer_eagerly(monkeypatch):
+    monkeypatch.setenv("DS_PREFILL_GRAPH_TOKENS", "8192")
+    from deltaserve.ops import chunk_graph
+
+    index = PrefillIndex.build([0, 77], device=DEV)
+    x = _layer_inputs(77, 1, seed=90)
+    chunk_graph._warmed.clear()  # as in a fresh process
+    gdn_chunk_prefill(*x, index, 0.5)
+    (call,) = index.graphs.values()
+    assert call.graph is None and call.calls == 1 and call.warm_key in chunk_graph._warmed
 
 
 def test_a_forward_past_the_token_limit_runs_eagerly(monkeypatch):

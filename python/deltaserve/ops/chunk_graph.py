@@ -11,8 +11,13 @@ copied into static buffers, the graph replays, the outputs are copied out.
 Per forward and per input signature (shapes, dtypes): the first call runs eagerly on the static
 buffers (Triton compiles and autotunes there, for exactly the pointers and sizes the capture
 will see: a capture may not compile or benchmark), the second captures and replays, the later
-ones only replay. The results must be bitwise the eager pipeline's (the same kernels on the
-same inputs), which tests/ops/test_gdn_prefill_gpu.py asserts. The capture runs on a side
+ones only replay. Once a call of the same signature class (`warm_key`: the signature less the
+token count) has run eagerly in this process, a forward's first call captures at once: fla-core
+compiles none of these kernels per token count (`do_not_specialize=['T']`) and keys none of its
+autotuning on it, so a new prompt length finds every kernel built and tuned, and the forward
+launches its pipeline through Python once instead of twice. The results must be bitwise the
+eager pipeline's (the same kernels on the same inputs), which tests/ops/test_gdn_prefill_gpu.py
+asserts. The capture runs on a side
 stream without the synchronize and garbage collection of `torch.cuda.graph` (a stall the
 prefill would feel); replays run on the caller's stream, after its copies. Every capture
 allocates from one graph memory pool per device (`torch.cuda.graph_pool_handle`), which a
@@ -50,7 +55,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 2048  # below the measured 8k loss, at the measured 256-token gain
 _MOST_TOKENS = 1 << 20
-_state = {"failed": False}
+_state = {"failed": False, "warm": True}  # warm: first calls of warmed classes capture
+# signature classes (ReplayedCall.warm_key) whose pipeline ran eagerly in this process
+_warmed: set[tuple] = set()
 _side_streams: dict[int, torch.cuda.Stream] = {}
 # per device: the graph pool's handle, and the anchor graph and its tensor that keep it alive
 _pools: dict[int, tuple] = {}
@@ -70,15 +77,17 @@ def eligible(num_tokens: int, sample: torch.Tensor) -> bool:
 
 class ReplayedCall:
     """`fn(*inputs)` over fixed-shape CUDA tensors: eager on the first call, captured on the
-    second, replayed after (see the module doc). `fn` must return a tuple of tensors and may
-    not sync the host. Each call returns fresh tensors (copies of the graph's outputs), so the
-    caller's contract is that of `fn` itself."""
+    second, replayed after (see the module doc); captured on the first call already when
+    `warm_key` (None: never) ran eagerly before in this process. `fn` must return a tuple of
+    tensors and may not sync the host. Each call returns fresh tensors (copies of the graph's
+    outputs), so the caller's contract is that of `fn` itself."""
 
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]],
-                 inputs: tuple[torch.Tensor, ...]) -> None:
+                 inputs: tuple[torch.Tensor, ...], warm_key: tuple | None = None) -> None:
         self.fn = fn
         self.static = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device)
                             for x in inputs)
+        self.warm_key = warm_key
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, ...] = ()
         self.calls = 0
@@ -87,14 +96,23 @@ class ReplayedCall:
         for s, x in zip(self.static, inputs, strict=True):
             s.copy_(x)
         self.calls += 1
-        if self.calls == 1 or _state["failed"]:
+        if _state["failed"]:
             return self.fn(*self.static)
-        if self.graph is None and not self._capture():
-            return self.fn(*self.static)
+        if self.graph is None:
+            warm = _state["warm"] and self.warm_key is not None and self.warm_key in _warmed
+            if self.calls == 1 and not warm:
+                out = self.fn(*self.static)
+                if self.warm_key is not None:
+                    _warmed.add(self.warm_key)
+                return out
+            if not self._capture(first=self.calls == 1):
+                return self.fn(*self.static)
         self.graph.replay()
         return tuple(o.clone() for o in self.outputs)
 
-    def _capture(self) -> bool:
+    def _capture(self, first: bool = False) -> bool:
+        """Capture `fn` on the static inputs; False if the capture failed (_capture_failed;
+        first: a forward's first call, of a warmed class)."""
         device = self.static[0].device
         try:
             pool = _pool(device)
@@ -106,12 +124,23 @@ class ReplayedCall:
                 finally:
                     graph.capture_end()
         except RuntimeError as e:  # e.g. a kernel that syncs the host: eager from now on
-            _state["failed"] = True
-            logger.warning("prefill pipeline replay off: its capture failed (%s)",
-                           str(e).splitlines()[0] if str(e) else type(e).__name__)
-            return False
+            return _capture_failed(first, e)
         self.graph, self.outputs = graph, tuple(outputs)
         return True
+
+
+def _capture_failed(first: bool, error: Exception) -> bool:
+    """After a failed capture: replays off for the process, or, at a forward's first call, only
+    the captures at first calls (eager first calls again, as before any class was warmed).
+    Returns False."""
+    if first:
+        _state["warm"] = False
+    else:
+        _state["failed"] = True
+    logger.warning("prefill pipeline %s off: its capture failed (%s)",
+                   "capture at a forward's first call" if first else "replay",
+                   str(error).splitlines()[0] if str(error) else type(error).__name__)
+    return False
 
 
 def _pool(device: torch.device):
@@ -133,12 +162,14 @@ def _pool(device: torch.device):
 
 
 def replayed(cache: dict, key: tuple, make: Callable[[], Callable[..., tuple[torch.Tensor, ...]]],
-             inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+             inputs: tuple[torch.Tensor, ...], warm_key: tuple | None = None
+             ) -> tuple[torch.Tensor, ...]:
     """`fn(*inputs)` through the ReplayedCall that `cache` (one forward's) holds for `key`,
-    made on first use with `fn = make()`. `fn` closes over everything but `inputs` that it
-    reads; those must stay the same, and alive, for as long as `cache` lives (and must not
-    reference `cache`: the graphs would then wait for the garbage collector)."""
+    made on first use with `fn = make()` and `warm_key` (ReplayedCall). `fn` closes over
+    everything but `inputs` that it reads; those must stay the same, and alive, for as long as
+    `cache` lives (and must not reference `cache`: the graphs would then wait for the garbage
+    collector)."""
     call = cache.get(key)
     if call is None:
-        call = cache[key] = ReplayedCall(make(), inputs)
+        call = cache[key] = ReplayedCall(make(), inputs, warm_key)
     return call(*inputs)

@@ -158,12 +158,16 @@ def gdn_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
             # pipeline reads a copy of the index without the graphs (no reference cycle)
             inputs = (q, k, v, a, b, A_log, dt_bias, initial_state)
             key = (scale, qk_normalized, *((x.shape, x.dtype) for x in inputs))
+            # the same kernels for any token and sequence count (ops/chunk_graph.py); a
+            # chained forward launches a second recurrence
+            warm = (scale, qk_normalized, index.waves is not None,
+                    *((x.shape[1:], x.dtype) for x in inputs))
 
             def make():
                 plain = replace(index, graphs={})
                 return lambda *xs: _fla_call(*xs, scale, plain, qk_normalized)
 
-            return chunk_graph.replayed(index.graphs, key, make, inputs)
+            return chunk_graph.replayed(index.graphs, key, make, inputs, warm)
         return _fla_call(q, k, v, a, b, A_log, dt_bias, initial_state, scale, index,
                          qk_normalized)
     return gdn_chunk_prefill_ref(q, k, v, a, b, A_log, dt_bias, initial_state, index, scale,
