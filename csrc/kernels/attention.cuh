@@ -123,6 +123,7 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
   constexpr int kM = kMaxBlockRows;
   static_assert(kM == 16, "the MMA's M");
   static_assert(kLoads * kThreads == kTile * kRowWords, "whole tiles per block");
+  static_assert(kThreads % kRowWords == 0, "a thread's loads are whole rows apart");
   __shared__ __align__(16) T q_s[kM][kPitch];
   __shared__ __align__(16) T k_s[kTile][kPitch];
   __shared__ __align__(16) T v_s[kTile][kPitch];
@@ -151,31 +152,33 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
   }
 
   const int32_t* table = p.page_table + int64_t(n) * p.page_table_stride;
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
+  // A thread loads the same 16-byte column of kLoads K/V rows a tile, rows kStep apart. A
+  // position past the split reads the split's last position instead of zeros: its score is
+  // masked to -inf, so its P is 0 and any finite V adds nothing. No branch, and the offsets are
+  // 32-bit up to one widening multiply a load (ncu, session 47: the 64-bit arithmetic and
+  // zero-fill branches were half the instructions of the loop, which is issue bound).
+  constexpr int kStep = kThreads / kRowWords;  // rows between a thread's loads
+  const int row0 = static_cast<int>(threadIdx.x) / kRowWords;
+  const int col = kvh * D + (static_cast<int>(threadIdx.x) % kRowWords) * kChunk;
+  const T* const kc = static_cast<const T*>(p.k_cache) + col;
+  const T* const vc = static_cast<const T*>(p.v_cache) + col;
+  const int kv_row = p.Hkv * D;  // elements per position of the pool
+  const int pos_last = t_end - 1;
   Word16 kw[kLoads], vw[kLoads];
   int pid[kLoads];  // page ids of the positions the next load_tile reads
   const auto load_ids = [&](int t0) {
 #pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const int pos = t0 + (threadIdx.x + i * kThreads) / kRowWords;
-      pid[i] = pos < t_end ? table[p.page_div.div(pos)] : 0;
-    }
+    for (int i = 0; i < kLoads; ++i)
+      pid[i] = table[p.page_div.div(min(t0 + row0 + i * kStep, pos_last))];
   };
   const auto load_tile = [&](int t0) {
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
-      const int idx = threadIdx.x + i * kThreads;
-      const int pos = t0 + idx / kRowWords, c = idx % kRowWords;
-      if (pos < t_end) {
-        const int page_idx = p.page_div.div(pos);
-        const int64_t off = ((int64_t(pid[i]) * p.page_size + (pos - page_idx * p.page_size)) *
-                             p.Hkv + kvh) * D + c * kChunk;
-        kw[i] = load16(kc + off);
-        vw[i] = load16(vc + off);
-      } else {  // finite zeros: a masked position's value is multiplied by 0
-        kw[i] = vw[i] = Word16{0u, 0u, 0u, 0u};
-      }
+      const int pos = min(t0 + row0 + i * kStep, pos_last);
+      const int slot = pid[i] * p.page_size + p.page_div.mod(pos);  // row of the pool
+      const int64_t off = static_cast<int64_t>(slot) * kv_row;
+      kw[i] = load16(kc + off);
+      vw[i] = load16(vc + off);
     }
   };
 
@@ -203,9 +206,9 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
     __syncthreads();  // every warp is done with the previous tile (and q_s is written)
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
-      const int idx = threadIdx.x + i * kThreads;
-      store16(&k_s[idx / kRowWords][(idx % kRowWords) * kChunk], kw[i]);
-      store16(&v_s[idx / kRowWords][(idx % kRowWords) * kChunk], vw[i]);
+      const int c = (static_cast<int>(threadIdx.x) % kRowWords) * kChunk;
+      store16(&k_s[row0 + i * kStep][c], kw[i]);
+      store16(&v_s[row0 + i * kStep][c], vw[i]);
     }
     __syncthreads();
     if (t0 + kTile < t_end) {  // in flight during this tile's math

@@ -107,6 +107,25 @@ def test_the_merge_of_few_splits_matches_the_reference(lens, rows, hq, hkv, d, p
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1.6e-2)
 
 
+@pytest.mark.parametrize("lens,page_size,max_kv_len", [([45, 70], 16, 4096), ([45, 70], 5, 1),
+                                                     ([300, 33], 7, 128)])
+def test_positions_past_a_request_are_never_read(lens, page_size, max_kv_len):
+    """Every pool position outside the requests' KV (the rest of their last pages, spare
+    pages, page 0) holds NaN: a split whose last tile runs past its positions reads none of
+    them (it re-reads its own last position, whose P is 0), so the outputs stay finite."""
+    q, kc, vc, table, kv_lens = paged_case(lens, 1, 4, 2, 64, page_size, torch.bfloat16,
+                                           q_scale=PEAK, seed=5)
+    used = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for i, n in enumerate(kv_lens.tolist()):
+        pos = torch.arange(n)
+        used[table[i].long()[pos // page_size], pos % page_size] = True
+    want = paged_attention_ref(q, kc, vc, table, kv_lens, 0.125, max(lens))
+    kc[~used], vc[~used] = float("nan"), float("nan")
+    got = paged_attention(q, kc, vc, table, kv_lens, 0.125, max_kv_len)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1.6e-2)
+
+
 def test_kv_append_kernel_equals_the_reference_bit_for_bit():
     q, kc, vc, table, kv_lens = paged_case([9, 16, 0], 2, 4, 2, 128, 8, torch.bfloat16)
     k = torch.randn(6, 2, 128).bfloat16()
