@@ -15,20 +15,20 @@ ones only replay. Once a call of the same signature class (`warm_key`: the signa
 token count) has run eagerly in this process, a forward's first call captures at once: fla-core
 compiles none of these kernels per token count (`do_not_specialize=['T']`) and keys none of its
 autotuning on it, so a new prompt length finds every kernel built and tuned, and the forward
-launches its pipeline through Python once instead of twice. The results must be bitwise the
-eager pipeline's (the same kernels on the same inputs), which tests/ops/test_gdn_prefill_gpu.py
-asserts. The capture runs on a side
-stream without the synchronize and garbage collection of `torch.cuda.graph` (a stall the
-prefill would feel); replays run on the caller's stream, after its copies. Every capture
-allocates from one graph memory pool per device (`torch.cuda.graph_pool_handle`), which a
-one-op "anchor" graph captured into it first keeps alive as long as the process: a forward's
-graph frees its blocks to that pool when the forward is dropped and the next forward's capture
-takes them again (without the anchor, each dead graph's pool would stay reserved until an
-allocation failed and the allocator synchronised to free it). Reuse is safe in stream order:
-every replay runs on the caller's stream, so the old graph's has been queued before the new.
-(`torch.cuda.MemPool` would say the same more directly, but a capture into one fails in torch
-2.11: the pinned-host allocator's pool bookkeeping asserts, `use_count > 0`, on the first
-capture; measured on an H100 in session 37.)
+launches its pipeline through Python once instead of twice (session 47, one H100, runs
+alternated: about 2.5 ms off the 16-19 ms first token of 256-2,000-token prompts). The results
+must be bitwise the eager pipeline's (the same kernels on the same inputs), which
+tests/ops/test_gdn_prefill_gpu.py asserts. The capture runs on a side stream without the
+synchronize and garbage collection of `torch.cuda.graph` (a stall the prefill would feel);
+replays run on the caller's stream, after its copies. Every capture allocates from one graph
+memory pool per device (`torch.cuda.graph_pool_handle`), which a one-op "anchor" graph captured
+into it first keeps alive as long as the process: a forward's graph frees its blocks to that
+pool when the forward is dropped and the next forward's capture takes them again (without the
+anchor, each dead graph's pool would stay reserved until an allocation failed and the allocator
+synchronised to free it). Reuse is safe in stream order: every replay runs on the caller's
+stream, so the old graph's has been queued before the new. (`torch.cuda.MemPool` would say the
+same more directly, but a capture into one fails in torch 2.11: the pinned-host allocator's pool
+bookkeeping asserts, `use_count > 0`, on the first capture; measured on an H100 in session 37.)
 
 `DS_PREFILL_GRAPH_TOKENS` is the largest forward, in tokens, that is replayed (0: off; default
 2048). The copies in and out cost device time in proportion to the tokens, the launches they
