@@ -160,12 +160,15 @@ has next80 && TAILN=25 run next80 ${NEXT_T:-200} python3 benchmarks/bench_e2e.py
 has moe35 && TAILN=${MOE_TAIL:-25} run moe35 ${MOE_T:-300} python3 benchmarks/bench_e2e.py --config qwen3.6-35b-a3b ${MOE_ARGS:-} --out "$LOGS/moe35.json"
 has long && TAILN=10 run long 150 python3 benchmarks/bench_e2e.py --vocab 248320 --long-context --out "$LOGS/long.json"
 # issue 28: the paged attention kernels once per arm of $ATTN_ARMS: "ref" (the extension of
-# csrc hash $REF_EXT, carried in build/ext_cache) or a number (this tree's, with
-# DS_ATTN_BLOCKS_PER_SM set to it; 0: the kernel's own figure)
+# csrc hash $REF_EXT, carried in build/ext_cache), a number (this tree's, with
+# DS_ATTN_BLOCKS_PER_SM set to it; 0: the kernel's own figure) or "ldsm" (this tree's with
+# DS_ATTN_LDMATRIX=1: the fragments through ldmatrix)
 if has attn; then
   for arm in ${ATTN_ARMS:-0}; do
-    if [ "$arm" = ref ]; then use_ext ref; bps=0; else use_ext new; bps=$arm; fi
-    DS_ATTN_BLOCKS_PER_SM=$bps run "attn_$arm" 90 python3 benchmarks/bench_attention.py --batches ${ATTN_B:-1,8} --contexts ${ATTN_CTX:-128,8192,16384,32768} --page-sizes 16 --gather-gb 0 ${ATTN_PROF:+--profile} --out "$LOGS/attn_$arm.json"
+    ldsm=0; bps=0
+    if [ "$arm" = ref ]; then use_ext ref; else use_ext new; fi
+    if [ "$arm" = ldsm ]; then ldsm=1; elif [ "$arm" != ref ]; then bps=$arm; fi
+    DS_ATTN_LDMATRIX=$ldsm DS_ATTN_BLOCKS_PER_SM=$bps run "attn_$arm" 90 python3 benchmarks/bench_attention.py --batches ${ATTN_B:-1,8} --contexts ${ATTN_CTX:-128,8192,16384,32768} --page-sizes 16 --gather-gb 0 ${ATTN_PROF:+--profile} --out "$LOGS/attn_$arm.json"
   done
   use_ext new
 fi

@@ -109,7 +109,10 @@ DS_DEVICE void store16(void* p, const Word16& w) { *static_cast<uint4*>(p) = w; 
 // banks apart: no conflicts). The next tile's K/V words are loaded into registers while this
 // tile is computed, and the page ids of the tile after it before that (so the K/V loads never
 // wait on a page-table read).
-template <typename T, int D>
+// kLdsm: the Q, K, P and V fragments through load_matrix_x4 (ldmatrix on sm_75+: one instruction
+// for four 32-bit registers of a warp, where the 16-bit V fragments took 8 loads and 4 packs), the
+// same registers, so the same bits; DS_ATTN_LDMATRIX=1 picks it (A/B runs, not yet timed).
+template <typename T, int D, bool kLdsm>
 __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
     paged_attn_kernel(const PagedAttnParams p) {
   static_assert(sizeof(T) == 2, "16-bit KV only");
@@ -124,6 +127,7 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
   static_assert(kM == 16, "the MMA's M");
   static_assert(kLoads * kThreads == kTile * kRowWords, "whole tiles per block");
   static_assert(kThreads % kRowWords == 0, "a thread's loads are whole rows apart");
+  static_assert(kNT % 2 == 0 && D % 32 == 0, "load_matrix_x4 covers two n-tiles, 32 of D");
   __shared__ __align__(16) T q_s[kM][kPitch];
   __shared__ __align__(16) T k_s[kTile][kPitch];
   __shared__ __align__(16) T v_s[kTile][kPitch];
@@ -217,14 +221,27 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
     }
 
     float s[4] = {0.f, 0.f, 0.f, 0.f};  // S[g][8w + 2t + {0, 1}], S[g + 8][...]
-    const int kr = 8 * warp + g;        // the K row (tile position) of this lane's B fragment
+    if constexpr (kLdsm) {
+#pragma unroll 2
+      for (int kk = 0; kk < D; kk += 32) {  // K rows 8w .. 8w + 7 over 32 of D: two MMAs' B
+        uint32_t a0[4], a1[4], bk[4];
+        load_matrix_x4<false, Mat4::kQuarters>(a0, &q_s[0][kk], kPitch);
+        load_matrix_x4<false, Mat4::kQuarters>(a1, &q_s[0][kk + 16], kPitch);
+        load_matrix_x4<false, Mat4::kRow>(bk, &k_s[8 * warp][kk], kPitch);
+        mma_16816<T>(s, a0, {bk[0], bk[1]});
+        mma_16816<T>(s, a1, {bk[2], bk[3]});
+      }
+    } else {
+      const int kr = 8 * warp + g;  // the K row (tile position) of this lane's B fragment
 #pragma unroll 4
-    for (int kk = 0; kk < D; kk += 16) {
-      const uint32_t a[4] = {load_pair(&q_s[g][kk + 2 * t]), load_pair(&q_s[g + 8][kk + 2 * t]),
-                             load_pair(&q_s[g][kk + 2 * t + 8]),
-                             load_pair(&q_s[g + 8][kk + 2 * t + 8])};
-      const uint32_t b[2] = {load_pair(&k_s[kr][kk + 2 * t]), load_pair(&k_s[kr][kk + 2 * t + 8])};
-      mma_16816<T>(s, a, b);
+      for (int kk = 0; kk < D; kk += 16) {
+        const uint32_t a[4] = {load_pair(&q_s[g][kk + 2 * t]), load_pair(&q_s[g + 8][kk + 2 * t]),
+                               load_pair(&q_s[g][kk + 2 * t + 8]),
+                               load_pair(&q_s[g + 8][kk + 2 * t + 8])};
+        const uint32_t b[2] = {load_pair(&k_s[kr][kk + 2 * t]),
+                               load_pair(&k_s[kr][kk + 2 * t + 8])};
+        mma_16816<T>(s, a, b);
+      }
     }
     const int pos0 = t0 + 8 * warp + 2 * t;
 #pragma unroll
@@ -264,15 +281,28 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
 
 #pragma unroll
     for (int ks = 0; ks < kTile; ks += 16) {
-      const uint32_t a[4] = {load_pair(&p_s[g][ks + 2 * t]), load_pair(&p_s[g + 8][ks + 2 * t]),
-                             load_pair(&p_s[g][ks + 2 * t + 8]),
-                             load_pair(&p_s[g + 8][ks + 2 * t + 8])};
+      if constexpr (kLdsm) {
+        uint32_t a[4];
+        load_matrix_x4<false, Mat4::kQuarters>(a, &p_s[0][ks], kTile + kChunk);
 #pragma unroll
-      for (int j = 0; j < kNT; ++j) {
-        const int c = warp * kCols + 8 * j + g;  // V column of this lane's B fragment
-        const uint32_t b[2] = {pack2(v_s[ks + 2 * t][c], v_s[ks + 2 * t + 1][c]),
-                               pack2(v_s[ks + 2 * t + 8][c], v_s[ks + 2 * t + 9][c])};
-        mma_16816<T>(o[j], a, b);
+        for (int j = 0; j < kNT; j += 2) {  // V rows ks .. ks + 15 of n-tiles j, j + 1
+          const int c = warp * kCols + 8 * j;
+          uint32_t bv[4];
+          load_matrix_x4<true, Mat4::kQuarters>(bv, &v_s[ks][c], kPitch);
+          mma_16816<T>(o[j], a, {bv[0], bv[1]});
+          mma_16816<T>(o[j + 1], a, {bv[2], bv[3]});
+        }
+      } else {
+        const uint32_t a[4] = {load_pair(&p_s[g][ks + 2 * t]), load_pair(&p_s[g + 8][ks + 2 * t]),
+                               load_pair(&p_s[g][ks + 2 * t + 8]),
+                               load_pair(&p_s[g + 8][ks + 2 * t + 8])};
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+          const int c = warp * kCols + 8 * j + g;  // V column of this lane's B fragment
+          const uint32_t b[2] = {pack2(v_s[ks + 2 * t][c], v_s[ks + 2 * t + 1][c]),
+                                 pack2(v_s[ks + 2 * t + 8][c], v_s[ks + 2 * t + 9][c])};
+          mma_16816<T>(o[j], a, b);
+        }
       }
     }
   }
@@ -453,7 +483,11 @@ template <typename T, int D>
 inline ds_error_t launch_paged_attention_d(const PagedAttnParams& p, ds_stream_t stream) {
   const dim3 grid(p.max_splits, p.Hq / p.heads_per_block, p.N);
   // both with PDL: at a small batch the launch gaps, not the bytes, are most of the time
-  const ds_error_t err = launch(paged_attn_kernel<T, D>, grid, kThreads, stream, Pdl::kOn, p);
+  const char* ldsm = std::getenv("DS_ATTN_LDMATRIX");  // read per launch: A/B runs, tests
+  const ds_error_t err =
+      ldsm != nullptr && ldsm[0] == '1'
+          ? launch(paged_attn_kernel<T, D, true>, grid, kThreads, stream, Pdl::kOn, p)
+          : launch(paged_attn_kernel<T, D, false>, grid, kThreads, stream, Pdl::kOn, p);
   if (err != DS_SUCCESS || p.max_splits == 1) return err;
   switch (merge_groups(p.max_splits, D)) {
     case 4: return launch_merge<T, 4>(p, stream);

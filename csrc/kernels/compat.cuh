@@ -212,6 +212,43 @@ DS_DEVICE uint32_t load_pair(const T* p) { return *reinterpret_cast<const uint32
 template <typename T>
 DS_DEVICE void store_pair(T* p, uint32_t w) { *reinterpret_cast<uint32_t*>(p) = w; }
 
+// Four 8 x 8 matrices of 16-bit elements from shared memory, rows `pitch` elements apart (each
+// row 16-byte aligned), matrix m at rows 8 (m % 2), columns 8 (m / 2) of `base` (kQuarters: the
+// quarters of a 16 x 16 block) or at columns 8 m (kRow: one 8 x 32 block). Lane 4 g + t gets in
+// d[m] row g's elements 2t, 2t+1 of matrix m, or with Trans column g's elements in rows 2t,
+// 2t+1: an mma_16816 operand fragment, A from kQuarters, or with Trans B (rows = k) for two
+// n-tiles. sm_75+: one ldmatrix.x4 (each lane passes one row's address); elsewhere (HIP, the
+// emulation) the same registers from direct loads, so the emulated kernels check the layout.
+enum class Mat4 { kQuarters, kRow };
+
+template <bool Trans, Mat4 L, typename T>
+DS_DEVICE void load_matrix_x4(uint32_t (&d)[4], const T* base, int pitch) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+#if !DS_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  const int m = lane / 8;
+  const int row = lane % 8 + (L == Mat4::kQuarters ? 8 * (m % 2) : 0);
+  const int col = L == Mat4::kQuarters ? 8 * (m / 2) : 8 * m;
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(base + row * pitch + col));
+  if constexpr (Trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(addr));
+  }
+#else
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const T* mat = base + (L == Mat4::kQuarters ? 8 * (m % 2) * pitch + 8 * (m / 2) : 8 * m);
+    if constexpr (Trans)
+      d[m] = pack2(mat[2 * t * pitch + g], mat[(2 * t + 1) * pitch + g]);
+    else
+      d[m] = load_pair(mat + g * pitch + 2 * t);
+  }
+#endif
+}
+
 DS_DEVICE uint32_t shfl_u32(uint32_t v, int src) {
 #if DS_EMU
   return __float_as_uint(ds_emu::shfl_idx(__uint_as_float(v), src, kWarp));  // bits moved, no math

@@ -126,6 +126,17 @@ def test_positions_past_a_request_are_never_read(lens, page_size, max_kv_len):
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=1.6e-2)
 
 
+@pytest.mark.parametrize("lens,rows,hq,hkv,d,page_size", CASES)
+def test_ldmatrix_fragments_give_the_same_bits(lens, rows, hq, hkv, d, page_size, monkeypatch):
+    """DS_ATTN_LDMATRIX=1: the Q, K, P and V fragments through load_matrix_x4 (here its portable
+    form: the registers ldmatrix documents) give the bits of the 16-bit loads."""
+    q, kc, vc, table, kv_lens = paged_case(lens, rows, hq, hkv, d, page_size, torch.bfloat16,
+                                           q_scale=PEAK, seed=11)
+    plain = paged_attention(q, kc, vc, table, kv_lens, d ** -0.5, 4096)
+    monkeypatch.setenv("DS_ATTN_LDMATRIX", "1")
+    assert torch.equal(paged_attention(q, kc, vc, table, kv_lens, d ** -0.5, 4096), plain)
+
+
 def test_kv_append_kernel_equals_the_reference_bit_for_bit():
     q, kc, vc, table, kv_lens = paged_case([9, 16, 0], 2, 4, 2, 128, 8, torch.bfloat16)
     k = torch.randn(6, 2, 128).bfloat16()

@@ -79,6 +79,18 @@ def test_few_splits_merge_in_wider_blocks(d, max_len, rows):
     _check(q, kc, vc, table, kv_lens, max_len=max_len)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_ldmatrix_fragments_give_the_same_bits(d, rows, monkeypatch):
+    """DS_ATTN_LDMATRIX=1 (the fragments through ldmatrix) loads the same registers as the
+    16-bit loads, so every output bit is the same."""
+    q, kc, vc, table, kv_lens = paged_case(_lens(16, rows)[:12], rows, 8, 2, d, 16,
+                                           torch.bfloat16, DEV, seed=d + rows, q_scale=PEAK)
+    plain = paged_attention(q, kc, vc, table, kv_lens, d ** -0.5, MAX_LEN)
+    monkeypatch.setenv("DS_ATTN_LDMATRIX", "1")
+    assert torch.equal(paged_attention(q, kc, vc, table, kv_lens, d ** -0.5, MAX_LEN), plain)
+
+
 def test_one_graph_serves_every_length():
     rows, page_size = 4, 16
     q, kc, vc, table, kv_lens = paged_case([MAX_LEN - 8] * 4, rows, 8, 2, 256, page_size,
