@@ -178,15 +178,15 @@ fi
 if has attnncu; then
   for c in ${NCU_CASES:-8:8192:1 1:32768:1}; do
     IFS=: read -r nb nctx nr <<< "$c"; tag=b${nb}_${nctx}_r$nr
-    run "ncu_$tag" 150 ncu -k regex:${NCU_KERNEL:-paged_attn_kernel} --launch-skip 40 --launch-count 1 \
-      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-      --section WarpStateStats --section SchedulerStats --section InstructionStats \
-      --section SourceCounters -o "/tmp/ncu_$tag" python3 benchmarks/bench_attention.py \
-      --batches "$nb" --contexts "$nctx" --rows "$nr" --page-sizes 16 --gather-gb 0 --chain 1 \
-      --out /tmp/ncu_$tag.json
-    ncu -i "/tmp/ncu_$tag.ncu-rep" --page details > "$LOGS/ncu_${tag}_details.txt" 2>&1
-    ncu -i "/tmp/ncu_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_$tag.csv" 2>&1
-    collect "ncu_$tag" 0 0
+    # profile, then both pages exported, in one step (its collect picks up the details)
+    run "ncu_$tag" 150 bash -c "ncu -k regex:${NCU_KERNEL:-paged_attn_kernel} --launch-skip 40 \
+      --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section Occupancy --section WarpStateStats --section SchedulerStats \
+      --section InstructionStats --section SourceCounters -o /tmp/ncu_$tag \
+      python3 benchmarks/bench_attention.py --batches $nb --contexts $nctx --rows $nr \
+      --page-sizes 16 --gather-gb 0 --chain 1 --out /tmp/ncu_$tag.json &&
+      ncu -i /tmp/ncu_$tag.ncu-rep --page details > $LOGS/ncu_${tag}_details.txt 2>&1 &&
+      ncu -i /tmp/ncu_$tag.ncu-rep --page source --csv --print-source sass > $OUT/ncu_$tag.csv"
   done
 fi
 # where a batch-8 decode step's time goes at context 128 and 16k (after the long-context rows)

@@ -109,9 +109,10 @@ DS_DEVICE void store16(void* p, const Word16& w) { *static_cast<uint4*>(p) = w; 
 // banks apart: no conflicts). The next tile's K/V words are loaded into registers while this
 // tile is computed, and the page ids of the tile after it before that (so the K/V loads never
 // wait on a page-table read).
-// kLdsm: the Q, K, P and V fragments through load_matrix_x4 (ldmatrix on sm_75+: one instruction
-// for four 32-bit registers of a warp, where the 16-bit V fragments took 8 loads and 4 packs), the
-// same registers, so the same bits; DS_ATTN_LDMATRIX=1 picks it (A/B runs, not yet timed).
+// The Q, K, P and V fragments come through load_matrix_x4: with kLdsm as ldmatrix (sm_75+: one
+// instruction for four registers a lane, where a V fragment pair took 8 16-bit loads and 4
+// packs), else as direct loads of the same registers, so the same bits either way;
+// DS_ATTN_LDMATRIX=1 picks kLdsm (A/B runs: not yet timed).
 template <typename T, int D, bool kLdsm>
 __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
     paged_attn_kernel(const PagedAttnParams p) {
@@ -163,7 +164,8 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
   // zero-fill branches were half the instructions of the loop, which is issue bound).
   constexpr int kStep = kThreads / kRowWords;  // rows between a thread's loads
   const int row0 = static_cast<int>(threadIdx.x) / kRowWords;
-  const int col = kvh * D + (static_cast<int>(threadIdx.x) % kRowWords) * kChunk;
+  const int lane_col = (static_cast<int>(threadIdx.x) % kRowWords) * kChunk;  // of a K/V row
+  const int col = kvh * D + lane_col;
   const T* const kc = static_cast<const T*>(p.k_cache) + col;
   const T* const vc = static_cast<const T*>(p.v_cache) + col;
   const int kv_row = p.Hkv * D;  // elements per position of the pool
@@ -210,9 +212,8 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
     __syncthreads();  // every warp is done with the previous tile (and q_s is written)
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
-      const int c = (static_cast<int>(threadIdx.x) % kRowWords) * kChunk;
-      store16(&k_s[row0 + i * kStep][c], kw[i]);
-      store16(&v_s[row0 + i * kStep][c], vw[i]);
+      store16(&k_s[row0 + i * kStep][lane_col], kw[i]);
+      store16(&v_s[row0 + i * kStep][lane_col], vw[i]);
     }
     __syncthreads();
     if (t0 + kTile < t_end) {  // in flight during this tile's math
@@ -221,27 +222,14 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
     }
 
     float s[4] = {0.f, 0.f, 0.f, 0.f};  // S[g][8w + 2t + {0, 1}], S[g + 8][...]
-    if constexpr (kLdsm) {
 #pragma unroll 2
-      for (int kk = 0; kk < D; kk += 32) {  // K rows 8w .. 8w + 7 over 32 of D: two MMAs' B
-        uint32_t a0[4], a1[4], bk[4];
-        load_matrix_x4<false, Mat4::kQuarters>(a0, &q_s[0][kk], kPitch);
-        load_matrix_x4<false, Mat4::kQuarters>(a1, &q_s[0][kk + 16], kPitch);
-        load_matrix_x4<false, Mat4::kRow>(bk, &k_s[8 * warp][kk], kPitch);
-        mma_16816<T>(s, a0, {bk[0], bk[1]});
-        mma_16816<T>(s, a1, {bk[2], bk[3]});
-      }
-    } else {
-      const int kr = 8 * warp + g;  // the K row (tile position) of this lane's B fragment
-#pragma unroll 4
-      for (int kk = 0; kk < D; kk += 16) {
-        const uint32_t a[4] = {load_pair(&q_s[g][kk + 2 * t]), load_pair(&q_s[g + 8][kk + 2 * t]),
-                               load_pair(&q_s[g][kk + 2 * t + 8]),
-                               load_pair(&q_s[g + 8][kk + 2 * t + 8])};
-        const uint32_t b[2] = {load_pair(&k_s[kr][kk + 2 * t]),
-                               load_pair(&k_s[kr][kk + 2 * t + 8])};
-        mma_16816<T>(s, a, b);
-      }
+    for (int kk = 0; kk < D; kk += 32) {  // K rows 8w .. 8w + 7 over 32 of D: two MMAs' B
+      uint32_t a0[4], a1[4], bk[4];
+      load_matrix_x4<false, Mat4::kQuarters, kLdsm>(a0, &q_s[0][kk], kPitch);
+      load_matrix_x4<false, Mat4::kQuarters, kLdsm>(a1, &q_s[0][kk + 16], kPitch);
+      load_matrix_x4<false, Mat4::kRow, kLdsm>(bk, &k_s[8 * warp][kk], kPitch);
+      mma_16816<T>(s, a0, {bk[0], bk[1]});
+      mma_16816<T>(s, a1, {bk[2], bk[3]});
     }
     const int pos0 = t0 + 8 * warp + 2 * t;
 #pragma unroll
@@ -281,28 +269,14 @@ __global__ void DS_LAUNCH_BOUNDS_MIN_BLOCKS(kThreads, blocks_per_sm(D))
 
 #pragma unroll
     for (int ks = 0; ks < kTile; ks += 16) {
-      if constexpr (kLdsm) {
-        uint32_t a[4];
-        load_matrix_x4<false, Mat4::kQuarters>(a, &p_s[0][ks], kTile + kChunk);
+      uint32_t a[4];
+      load_matrix_x4<false, Mat4::kQuarters, kLdsm>(a, &p_s[0][ks], kTile + kChunk);
 #pragma unroll
-        for (int j = 0; j < kNT; j += 2) {  // V rows ks .. ks + 15 of n-tiles j, j + 1
-          const int c = warp * kCols + 8 * j;
-          uint32_t bv[4];
-          load_matrix_x4<true, Mat4::kQuarters>(bv, &v_s[ks][c], kPitch);
-          mma_16816<T>(o[j], a, {bv[0], bv[1]});
-          mma_16816<T>(o[j + 1], a, {bv[2], bv[3]});
-        }
-      } else {
-        const uint32_t a[4] = {load_pair(&p_s[g][ks + 2 * t]), load_pair(&p_s[g + 8][ks + 2 * t]),
-                               load_pair(&p_s[g][ks + 2 * t + 8]),
-                               load_pair(&p_s[g + 8][ks + 2 * t + 8])};
-#pragma unroll
-        for (int j = 0; j < kNT; ++j) {
-          const int c = warp * kCols + 8 * j + g;  // V column of this lane's B fragment
-          const uint32_t b[2] = {pack2(v_s[ks + 2 * t][c], v_s[ks + 2 * t + 1][c]),
-                                 pack2(v_s[ks + 2 * t + 8][c], v_s[ks + 2 * t + 9][c])};
-          mma_16816<T>(o[j], a, b);
-        }
+      for (int j = 0; j < kNT; j += 2) {  // V rows ks .. ks + 15 of n-tiles j, j + 1
+        uint32_t bv[4];
+        load_matrix_x4<true, Mat4::kQuarters, kLdsm>(bv, &v_s[ks][warp * kCols + 8 * j], kPitch);
+        mma_16816<T>(o[j], a, {bv[0], bv[1]});
+        mma_16816<T>(o[j + 1], a, {bv[2], bv[3]});
       }
     }
   }

@@ -217,26 +217,31 @@ DS_DEVICE void store_pair(T* p, uint32_t w) { *reinterpret_cast<uint32_t*>(p) = 
 // quarters of a 16 x 16 block) or at columns 8 m (kRow: one 8 x 32 block). Lane 4 g + t gets in
 // d[m] row g's elements 2t, 2t+1 of matrix m, or with Trans column g's elements in rows 2t,
 // 2t+1: an mma_16816 operand fragment, A from kQuarters, or with Trans B (rows = k) for two
-// n-tiles. sm_75+: one ldmatrix.x4 (each lane passes one row's address); elsewhere (HIP, the
-// emulation) the same registers from direct loads, so the emulated kernels check the layout.
+// n-tiles. Ldsm on sm_75+: one ldmatrix.x4 (each lane passes one row's address); else (and on
+// HIP, in the emulation) the same registers from direct 32- or 16-bit loads, so the emulated
+// kernels check the layout.
 enum class Mat4 { kQuarters, kRow };
 
-template <bool Trans, Mat4 L, typename T>
+template <bool Trans, Mat4 L, bool Ldsm = true, typename T>
 DS_DEVICE void load_matrix_x4(uint32_t (&d)[4], const T* base, int pitch) {
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
 #if !DS_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
-  const int m = lane / 8;
-  const int row = lane % 8 + (L == Mat4::kQuarters ? 8 * (m % 2) : 0);
-  const int col = L == Mat4::kQuarters ? 8 * (m / 2) : 8 * m;
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(base + row * pitch + col));
-  if constexpr (Trans) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(addr));
-  } else {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(addr));
+  if constexpr (Ldsm) {
+    const int m = lane / 8;
+    const int row = lane % 8 + (L == Mat4::kQuarters ? 8 * (m % 2) : 0);
+    const int col = L == Mat4::kQuarters ? 8 * (m / 2) : 8 * m;
+    const uint32_t addr =
+        static_cast<uint32_t>(__cvta_generic_to_shared(base + row * pitch + col));
+    if constexpr (Trans) {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(addr));
+    } else {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(addr));
+    }
+    return;
   }
-#else
+#endif
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
@@ -246,7 +251,6 @@ DS_DEVICE void load_matrix_x4(uint32_t (&d)[4], const T* base, int pitch) {
     else
       d[m] = load_pair(mat + g * pitch + 2 * t);
   }
-#endif
 }
 
 DS_DEVICE uint32_t shfl_u32(uint32_t v, int src) {

@@ -99,8 +99,7 @@ class ReplayedCall:
         if _state["failed"]:
             return self.fn(*self.static)
         if self.graph is None:
-            warm = _state["warm"] and self.warm_key is not None and self.warm_key in _warmed
-            if self.calls == 1 and not warm:
+            if self.calls == 1 and not (_state["warm"] and self.warm_key in _warmed):
                 out = self.fn(*self.static)
                 if self.warm_key is not None:
                     _warmed.add(self.warm_key)
